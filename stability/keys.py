@@ -1,0 +1,60 @@
+"""Redis key names: the one place that knows how stability lays out its data in Redis.
+
+Per run ``R`` (all keys share the ``stability:{R}`` hash tag, so a Redis Cluster keeps a run on one slot):
+
+* ``stability:{R}:rec:<rank>``   stream of encoded step records of one rank (ID = ``<wall ms>-<step>``)
+* ``stability:{R}:ranks``        set of ranks that have written records
+* ``stability:{R}:meta``         hash: run metadata (run dir, host, W&B project/group, started, ended)
+* ``stability:{R}:findings``     stream of findings (JSON), written by the worker
+* ``stability:{R}:state``        detector state (msgpack), written atomically with the XACKs
+* ``stability:{R}:lock``         per-run lease held by the worker that drains the run
+* ``stability:{R}:errors``       stream of rejected (malformed) entries with the reason
+
+Global: ``stability:runs`` (set of active run ids).
+"""
+
+from __future__ import annotations
+
+PREFIX = "stability"
+RUNS = f"{PREFIX}:runs"
+GROUP = "stability-workers"
+"""Consumer group name on every record stream."""
+
+
+def _run(run_id: str) -> str:
+    return f"{PREFIX}:{{{run_id}}}"
+
+
+def records(run_id: str, rank: int) -> str:
+    """Stream of one rank's records."""
+    return f"{_run(run_id)}:rec:{rank}"
+
+
+def ranks(run_id: str) -> str:
+    """Set of ranks with a record stream."""
+    return f"{_run(run_id)}:ranks"
+
+
+def meta(run_id: str) -> str:
+    """Hash of run metadata."""
+    return f"{_run(run_id)}:meta"
+
+
+def findings(run_id: str) -> str:
+    """Stream of findings."""
+    return f"{_run(run_id)}:findings"
+
+
+def state(run_id: str) -> str:
+    """Detector state."""
+    return f"{_run(run_id)}:state"
+
+
+def lock(run_id: str) -> str:
+    """Per-run drain lease."""
+    return f"{_run(run_id)}:lock"
+
+
+def errors(run_id: str) -> str:
+    """Stream of rejected entries."""
+    return f"{_run(run_id)}:errors"

@@ -1,0 +1,225 @@
+"""Step records: what the hooks capture, what the transport carries and what detectors read.
+
+A :class:`StepRecord` is metadata (run id, rank and its parallel coordinates, step, wall time, optional batch
+identity) plus a flat mapping of signal name -> float. Global signals are bare names (``loss``, ``lr``,
+``grad_norm``, ``loss_scale``, ``skipped``, ``tokens``); per-module signals are ``<quantity>/<module path>``
+(``grad_norm/transformer.h.3.attn``). The same names are the CSV columns that ``stability postmortem`` accepts.
+
+Wire format (version 1): a msgpack map ::
+
+    {"v": 1, "run": str, "step": int, "rank": int, "t": float, "host": str,
+     "coords": {str: int}, "batch": str | None,
+     "n": [signal names], "x": bytes}          # x = little-endian float64 array, one per name
+
+Packing the values as one float64 byte string keeps NaN and +/-Inf exact, is ~10x faster to encode than a
+msgpack map of floats, and keeps a record self-contained (a spool file or an archive can be read alone).
+``bench/bench_encoding.py`` measures the alternatives.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from stability.errors import RecordError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAX_RECORD_BYTES",
+    "MAX_SIGNALS",
+    "GLOBAL_SIGNALS",
+    "PER_MODULE_QUANTITIES",
+    "StepRecord",
+    "decode",
+    "encode",
+    "split_signal",
+]
+
+FORMAT_VERSION = 1
+MAX_RECORD_BYTES = 8 * 1024 * 1024
+MAX_SIGNALS = 100_000
+MAX_NAME_CHARS = 512
+MAX_ID_CHARS = 256
+
+GLOBAL_SIGNALS: tuple[str, ...] = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "loss_scale",
+    "skipped",
+    "tokens",
+    "nonfinite_grads",
+    "logit_z",
+    "batch_loss_max",
+)
+"""Well-known global signals (others are accepted too)."""
+
+PER_MODULE_QUANTITIES: tuple[str, ...] = (
+    "grad_norm",
+    "param_norm",
+    "update_ratio",
+    "act_absmax",
+    "act_rms",
+    "attn_logit_max",
+    "adam_v_ratio",
+    "logit_z",
+)
+"""Well-known per-module quantities, used as ``<quantity>/<module path>``."""
+
+_LE_F64 = np.dtype("<f8")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
+
+
+def split_signal(name: str) -> tuple[str, str | None]:
+    """Split ``"grad_norm/h.3.attn"`` into ``("grad_norm", "h.3.attn")``; a global name gives ``(name, None)``."""
+    quantity, sep, module = name.partition("/")
+    return (quantity, module) if sep else (name, None)
+
+
+def check_run_id(run_id: object) -> str:
+    """Return ``run_id`` if it is a valid run id, else raise :class:`RecordError` naming the problem."""
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+        raise RecordError(
+            f"run id {run_id!r} is invalid: use 1-128 characters of letters, digits, '_', '.', ':' or '-'"
+        )
+    return run_id
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepRecord:
+    """One optimizer step of one rank."""
+
+    run_id: str
+    step: int
+    signals: Mapping[str, float]
+    rank: int = 0
+    wall_time: float = 0.0
+    host: str = ""
+    coords: Mapping[str, int] = field(default_factory=dict)
+    """Parallel coordinates when known: ``dp``, ``tp``, ``pp``, ``ep``, ``cp``, ``world_size``, ``local_rank``."""
+    batch: str | None = None
+    """Optional batch identity (for replay and skip lists)."""
+
+    def get(self, name: str, default: float = math.nan) -> float:
+        """The value of signal ``name``, or ``default`` when absent."""
+        return float(self.signals.get(name, default))
+
+
+def encode(record: StepRecord) -> bytes:
+    """Encode ``record`` to bytes; raise :class:`RecordError` if it cannot be represented."""
+    names = list(record.signals)
+    try:
+        values = np.fromiter((record.signals[n] for n in names), dtype=_LE_F64, count=len(names))
+    except (TypeError, ValueError) as exc:
+        raise RecordError(f"record step {record.step}: a signal value is not a number ({exc})") from None
+    payload = {
+        "v": FORMAT_VERSION,
+        "run": record.run_id,
+        "step": int(record.step),
+        "rank": int(record.rank),
+        "t": float(record.wall_time),
+        "host": record.host,
+        "coords": dict(record.coords),
+        "batch": record.batch,
+        "n": names,
+        "x": values.tobytes(),
+    }
+    data: bytes = msgpack.packb(payload, use_bin_type=True)
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordError(f"record step {record.step} is {len(data)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
+    return data
+
+
+def decode(data: bytes) -> StepRecord:
+    """Decode and validate one record; raise :class:`RecordError` naming the first problem found.
+
+    Unknown top-level fields are ignored (forward compatibility); NaN and Inf values are kept.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise RecordError(f"record payload must be bytes, not {type(data).__name__}")
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordError(f"record is {len(data)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=MAX_RECORD_BYTES,
+            max_str_len=MAX_RECORD_BYTES,
+            max_array_len=MAX_SIGNALS,
+            max_map_len=MAX_SIGNALS,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise RecordError(f"record is not valid msgpack: {exc}") from None
+    if not isinstance(obj, dict):
+        raise RecordError(f"record must be a msgpack map, got {type(obj).__name__}")
+    return _from_map(obj)
+
+
+def _from_map(obj: dict[str, Any]) -> StepRecord:
+    version = obj.get("v")
+    if version != FORMAT_VERSION:
+        raise RecordError(f"record format version {version!r} is not supported (expected {FORMAT_VERSION})")
+    run_id = check_run_id(obj.get("run"))
+    step = _int_field(obj, "step")
+    rank = _int_field(obj, "rank")
+    wall = obj.get("t", 0.0)
+    if not isinstance(wall, (int, float)) or isinstance(wall, bool):
+        raise RecordError(f"record field 't' must be a number, got {type(wall).__name__}")
+    host = obj.get("host", "")
+    if not isinstance(host, str) or len(host) > MAX_ID_CHARS:
+        raise RecordError("record field 'host' must be a string of at most 256 characters")
+    batch = obj.get("batch")
+    if batch is not None and (not isinstance(batch, str) or len(batch) > MAX_ID_CHARS):
+        raise RecordError("record field 'batch' must be null or a string of at most 256 characters")
+    coords = _coords(obj.get("coords", {}))
+    return StepRecord(
+        run_id=run_id,
+        step=step,
+        rank=rank,
+        wall_time=float(wall),
+        host=host,
+        coords=coords,
+        batch=batch,
+        signals=_signals(obj.get("n"), obj.get("x")),
+    )
+
+
+def _int_field(obj: Mapping[str, Any], key: str) -> int:
+    value = obj.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value > sys.maxsize:
+        raise RecordError(f"record field {key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _coords(raw: object) -> dict[str, int]:
+    if not isinstance(raw, dict) or len(raw) > 32:
+        raise RecordError("record field 'coords' must be a map of at most 32 entries")
+    for key, value in raw.items():
+        if not isinstance(key, str) or not isinstance(value, int) or isinstance(value, bool):
+            raise RecordError(f"record field 'coords' entry {key!r} must map a string to an integer")
+    return raw
+
+
+def _signals(names: object, packed: object) -> dict[str, float]:
+    if not isinstance(names, list):
+        raise RecordError("record field 'n' (signal names) must be a list")
+    if not isinstance(packed, bytes):
+        raise RecordError("record field 'x' (signal values) must be bytes")
+    if len(packed) != 8 * len(names):
+        raise RecordError(f"record has {len(names)} signal names but {len(packed) // 8} values")
+    for name in names:
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
+            raise RecordError(f"signal name {name!r} is invalid: use 1-{MAX_NAME_CHARS} printable characters")
+    values = np.frombuffer(packed, dtype=_LE_F64).tolist()
+    signals = dict(zip(names, values, strict=True))
+    if len(signals) != len(names):
+        raise RecordError("record has duplicate signal names")
+    return signals
