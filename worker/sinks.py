@@ -1,0 +1,237 @@
+"""Where findings (and the records behind them) go: the ``Sink`` protocol and the built-in sinks.
+
+A sink receives, per processed batch of one run, the findings the detectors produced and the stream entries
+that were read (:class:`Entry`: stream id + decoded record). A batch may be delivered twice: a worker that dies
+after emitting but before acking leaves the entries pending, and the next drain re-processes them from the same
+detector state, producing the same findings. Every sink is therefore idempotent:
+
+* :class:`ConsoleSink` logs (a repeated log line is harmless);
+* :class:`RedisFindingsSink` adds a finding to the findings stream only once per ``(rank, kind, step)``;
+* :class:`ArchiveSink` writes one Parquet part per (batch, rank) with a deterministic name, so a re-processed
+  batch overwrites its own part;
+* :class:`~stability.worker.wandb_sink.WandbSink` keeps its own ``(rank, kind, step)`` set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import redis
+
+from stability import keys
+from stability.detectors.base import Finding, Severity
+from stability.records import StepRecord
+
+__all__ = [
+    "ArchiveSink",
+    "ConsoleSink",
+    "Entry",
+    "MetaLookup",
+    "RedisFindingsSink",
+    "Sink",
+    "finding_key",
+    "redis_meta",
+]
+
+logger = logging.getLogger(__name__)
+
+MetaLookup = Callable[[str], Mapping[str, str]]
+"""``run_id -> metadata hash`` (``run_dir``, ``wandb_project``, ...), as strings."""
+
+ARCHIVE_COLUMNS: tuple[str, ...] = ("run_id", "rank", "step", "wall_time", "host", "batch", "entry_id")
+"""Fixed columns of an archive part; one float64 column per signal follows."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    """One decoded stream entry."""
+
+    entry_id: str
+    """Stream id, ``"<wall ms>-<step>"``."""
+    rank: int
+    """Rank of the stream the entry was read from."""
+    record: StepRecord
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Receives the findings and records of each processed batch; must tolerate re-delivery of a batch."""
+
+    def emit(self, run_id: str, findings: Sequence[Finding], records: Sequence[Entry]) -> None:
+        """Handle one processed batch of ``run_id`` (``records`` may be empty, e.g. at the end of the run)."""
+        ...
+
+    def close(self, run_id: str) -> None:
+        """The run is fully drained: release what is held for it."""
+        ...
+
+
+def finding_key(finding: Finding) -> str:
+    """The dedupe key of a finding: ``"<rank>:<kind>:<step>"``."""
+    return f"{finding.rank}:{finding.kind}:{finding.step}"
+
+
+def redis_meta(client: redis.Redis) -> MetaLookup:
+    """A :data:`MetaLookup` reading ``keys.meta(run_id)`` from Redis."""
+
+    def lookup(run_id: str) -> dict[str, str]:
+        raw: dict[bytes, bytes] = client.hgetall(keys.meta(run_id))  # type: ignore[assignment]
+        return {_text(k): _text(v) for k, v in raw.items()}
+
+    return lookup
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+class ConsoleSink:
+    """Logs every finding (``logging``: warning/error findings at WARNING/ERROR, others at INFO)."""
+
+    _LEVELS = {Severity.INFO: logging.INFO, Severity.WARNING: logging.WARNING, Severity.ERROR: logging.ERROR}
+
+    def emit(self, run_id: str, findings: Sequence[Finding], records: Sequence[Entry]) -> None:
+        """Log each finding with its top cause."""
+        for f in findings:
+            cause = f" (likely {f.causes[0].cause}: {f.causes[0].evidence})" if f.causes else ""
+            logger.log(
+                self._LEVELS.get(f.severity, logging.INFO),
+                "[%s rank %d] %s at step %d: %s%s",
+                run_id, f.rank, f.kind, f.step, f.message, cause,
+            )  # fmt: skip
+
+    def close(self, run_id: str) -> None:
+        """Nothing to release."""
+
+
+_ADD_ONCE = """
+local added = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
+    redis.call('XADD', KEYS[1], '*', 'f', ARGV[i + 1])
+    added = added + 1
+  end
+end
+return added
+"""
+
+
+def findings_seen_key(run_id: str) -> str:
+    """Set of dedupe keys of the findings already in ``keys.findings(run_id)`` (same hash slot)."""
+    return keys.findings(run_id) + ":seen"
+
+
+class RedisFindingsSink:
+    """Appends findings to the stream ``keys.findings(run_id)`` as JSON (field ``f``), once per (rank, kind, step).
+
+    The check and the XADD run in one Lua script, so a re-processed batch never adds a finding twice.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+        self._script = client.register_script(_ADD_ONCE)
+
+    def emit(self, run_id: str, findings: Sequence[Finding], records: Sequence[Entry]) -> None:
+        """Add the findings not yet in the stream."""
+        if not findings:
+            return
+        args: list[str] = []
+        for f in findings:
+            args += [finding_key(f), json.dumps(f.to_dict())]
+        added = self._script(keys=[keys.findings(run_id), findings_seen_key(run_id)], args=args)
+        if added != len(findings):
+            logger.debug("%s: %d of %d findings were already in the stream", run_id, len(findings) - added, len(findings))
+
+    def close(self, run_id: str) -> None:
+        """Nothing to release (the dedupe set stays, so a late re-delivery is still ignored)."""
+
+
+class ArchiveSink:
+    """Writes every processed record to Parquet: ``<dir>/part-<rank>-<first entry id>.parquet``, one row per record.
+
+    ``<dir>`` is ``<run_dir>/archive`` when the run's ``run_dir`` (from its metadata) exists on this machine, else
+    ``$STABILITY_ARCHIVE_DIR/<run_id>`` when that variable is set (or ``archive_dir`` is given); otherwise the run
+    is not archived (logged once). Columns: :data:`ARCHIVE_COLUMNS` plus one float64 column per signal name,
+    NULL where a record lacks the signal, NaN/Inf kept. A signal whose name clashes with a fixed column is stored
+    as ``signal:<name>``. Parts are written to a temporary file and renamed, so a reader never sees half a part.
+    """
+
+    def __init__(self, meta: MetaLookup, *, archive_dir: str | Path | None = None) -> None:
+        self._meta = meta
+        base = archive_dir if archive_dir is not None else os.environ.get("STABILITY_ARCHIVE_DIR") or None
+        self._base = Path(base) if base is not None else None
+        self._dirs: dict[str, Path | None] = {}
+
+    def directory(self, run_id: str) -> Path | None:
+        """Directory of ``run_id``'s parts (None: not archived); resolved once per run."""
+        if run_id not in self._dirs:
+            self._dirs[run_id] = self._resolve(run_id)
+        return self._dirs[run_id]
+
+    def _resolve(self, run_id: str) -> Path | None:
+        run_dir = self._meta(run_id).get("run_dir")
+        if run_dir and Path(run_dir).is_dir():
+            return Path(run_dir) / "archive"
+        if self._base is not None:
+            return self._base / run_id
+        logger.info("%s: not archived (run_dir %r not on this host, STABILITY_ARCHIVE_DIR unset)", run_id, run_dir)
+        return None
+
+    def emit(self, run_id: str, findings: Sequence[Finding], records: Sequence[Entry]) -> None:
+        """Write one part per rank of this batch."""
+        directory = self.directory(run_id) if records else None
+        if directory is None:
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        by_rank: dict[int, list[Entry]] = {}
+        for entry in records:
+            by_rank.setdefault(entry.rank, []).append(entry)
+        for rank, entries in sorted(by_rank.items()):
+            _write_part(directory / f"part-{rank}-{entries[0].entry_id}.parquet", run_id, entries)
+
+    def close(self, run_id: str) -> None:
+        """Forget the run's directory."""
+        self._dirs.pop(run_id, None)
+
+
+def archive_table(run_id: str, entries: Sequence[Entry]) -> Any:
+    """The ``pyarrow.Table`` of ``entries`` (see :class:`ArchiveSink` for the columns)."""
+    import pyarrow as pa
+
+    recs = [e.record for e in entries]
+    columns: dict[str, Any] = {
+        "run_id": pa.array([run_id] * len(recs), pa.string()),
+        "rank": pa.array([e.rank for e in entries], pa.int64()),
+        "step": pa.array([r.step for r in recs], pa.int64()),
+        "wall_time": pa.array([r.wall_time for r in recs], pa.float64()),
+        "host": pa.array([r.host for r in recs], pa.string()),
+        "batch": pa.array([r.batch for r in recs], pa.string()),
+        "entry_id": pa.array([e.entry_id for e in entries], pa.string()),
+    }
+    names = sorted({name for r in recs for name in r.signals})
+    for name in names:
+        column = f"signal:{name}" if name in columns else name
+        columns[column] = pa.array([r.signals.get(name) for r in recs], pa.float64())
+    return pa.table(columns)
+
+
+def _write_part(path: Path, run_id: str, entries: Sequence[Entry]) -> None:
+    import pyarrow.parquet as pq
+
+    table = archive_table(run_id, entries)
+    fd, tmp = tempfile.mkstemp(prefix=".part-", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    logger.debug("archived %d records to %s", len(entries), path)
