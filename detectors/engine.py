@@ -7,55 +7,231 @@ INTERFACE (stable; the worker and post-mortem depend on it):
     findings += diag.finish()                  # end of run: flush pending (e.g. unconfirmed spikes)
     state = diag.state_dict(); diag2.load_state_dict(state)   # plain data (msgpack/JSON-able)
 
-STUB: only NaN detection; replaced by the full detector suite.
+Per rank it keeps one suite of detectors (NaN, loss spike, divergence, grad explosion) and a recent
+:class:`~stability.detectors.history.History` for ranking. Findings of one rank within ``fuse_steps`` of the
+open incident's last finding join that incident: only the first finding of an incident is returned (alerted);
+a later one is returned only when it raises the incident's severity (an escalation, e.g. a grad-norm WARNING
+followed by a loss-spike ERROR). A finding of a kind already alerted on that rank within ``cooldown_steps`` at the
+same or higher severity is not re-alerted either (it joins the last incident). Closing findings
+(``evidence["closes"]``) only set the incident's ``end``. Every finding gets ranked causes, ``rollback_step`` and
+``skip_batches`` (:func:`~stability.detectors.ranking.rank_causes`). :attr:`RunDiagnoser.incidents` lists the fused
+incidents (what ``stability postmortem`` reports).
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
-from stability.detectors.base import CauseHint, Finding, Severity
-from stability.detectors.causes import remedy
+from stability.detectors.base import Detector, Finding, Severity
+from stability.detectors.divergence import DivergenceConfig, DivergenceDetector
+from stability.detectors.grad import GradConfig, GradExplosionDetector
+from stability.detectors.history import History
+from stability.detectors.nan import NanConfig, NanDetector
+from stability.detectors.ranking import MAX_SKIP_BATCHES, rank_causes
+from stability.detectors.spike import SpikeConfig, SpikeDetector
 from stability.records import StepRecord
 
-__all__ = ["RunDiagnoser"]
+__all__ = ["DiagnoserConfig", "Incident", "RunDiagnoser"]
+
+KIND_PRIORITY = ("nan", "loss_spike", "divergence", "grad_explosion")
+"""Headline preference among findings of equal severity in one incident (the loss-level event names it)."""
+
+MAX_KEPT_INCIDENTS = 16
+"""Closed incidents per rank kept in :meth:`RunDiagnoser.state_dict` (all are kept in memory)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiagnoserConfig:
+    """Settings of :class:`RunDiagnoser` and its detectors."""
+
+    nan: NanConfig = field(default_factory=NanConfig)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+    grad: GradConfig = field(default_factory=GradConfig)
+    fuse_steps: int = 20
+    """Findings within this many steps of an incident's last finding join it."""
+    cooldown_steps: int = 100
+    """No second alert of the same kind and severity on a rank within this many steps."""
+    history_steps: int = 256
+    module_history_steps: int = 96
+    max_series: int = 512
+
+
+@dataclass(slots=True)
+class Incident:
+    """Fused findings of one rank."""
+
+    rank: int
+    findings: list[Finding]
+    alerted: Severity
+    last_step: int
+    end: int | None = None
+    late_batches: list[str] = field(default_factory=list)
+    """Batch ids of anomalous steps after the alert (known once the anomaly ended)."""
+
+    @property
+    def headline(self) -> Finding:
+        """The most severe finding (loss-level kinds first on ties, then the earliest)."""
+        def key(f: Finding) -> tuple[int, int, int]:
+            prio = KIND_PRIORITY.index(f.kind) if f.kind in KIND_PRIORITY else len(KIND_PRIORITY)
+            return (-f.severity.rank, prio, f.step)
+        return min(self.findings, key=key)
+
+    @property
+    def onset(self) -> int:
+        """Earliest onset of its findings."""
+        return min(f.onset for f in self.findings)
+
+    @property
+    def first_step(self) -> int:
+        """Step of the first alert."""
+        return self.findings[0].step
+
+    @property
+    def kinds(self) -> list[str]:
+        """Distinct kinds, in order of appearance."""
+        return list(dict.fromkeys(f.kind for f in self.findings))
+
+    @property
+    def skip_batches(self) -> list[str]:
+        """Batch ids to skip on replay: the headline's plus those of later anomalous steps."""
+        return list(dict.fromkeys([*self.headline.skip_batches, *self.late_batches]))[:MAX_SKIP_BATCHES]
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain data."""
+        return {"rank": self.rank, "findings": [f.to_dict() for f in self.findings], "alerted": self.alerted.value,
+                "last_step": self.last_step, "end": self.end, "late_batches": self.late_batches}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Incident:
+        """Inverse of :meth:`to_state`."""
+        return cls(rank=int(state["rank"]), findings=[Finding.from_dict(f) for f in state["findings"]],
+                   alerted=Severity(state["alerted"]), last_step=int(state["last_step"]), end=state["end"],
+                   late_batches=list(state.get("late_batches", [])))
+
+
+class _RankSuite:
+    """Detectors, history and incident bookkeeping of one rank."""
+
+    def __init__(self, config: DiagnoserConfig) -> None:
+        self.detectors: list[Detector] = [NanDetector(config.nan), SpikeDetector(config.spike),
+                          DivergenceDetector(config.divergence), GradExplosionDetector(config.grad)]
+        self.history = History(steps=config.history_steps, module_steps=config.module_history_steps,
+                               max_series=config.max_series)
+        self.last_alert: dict[str, tuple[int, int]] = {}
+        """kind -> (step, severity rank) of its last alert."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"detectors": {d.name: d.state_dict() for d in self.detectors}, "history": self.history.state_dict(),
+                "last_alert": {k: list(v) for k, v in self.last_alert.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for detector in self.detectors:
+            detector.load_state_dict(state["detectors"][detector.name])
+        self.history.load_state_dict(state["history"])
+        self.last_alert = {k: (int(v[0]), int(v[1])) for k, v in state["last_alert"].items()}
 
 
 class RunDiagnoser:
-    """Detector suite for one run."""
+    """Detector suite for one run (all ranks); see the module docstring."""
 
-    def __init__(self) -> None:
-        self._seen_nan: dict[int, bool] = {}
+    def __init__(self, config: DiagnoserConfig | None = None) -> None:
+        self.config = config or DiagnoserConfig()
+        self._ranks: dict[int, _RankSuite] = {}
+        self.incidents: list[Incident] = []
+        """Every incident seen by this object, in order of creation."""
+        self._open: dict[int, Incident] = {}
+        """Last incident of each rank (findings may still join it)."""
+
+    def _suite(self, rank: int) -> _RankSuite:
+        suite = self._ranks.get(rank)
+        if suite is None:
+            suite = self._ranks[rank] = _RankSuite(self.config)
+        return suite
 
     def update(self, record: StepRecord) -> list[Finding]:
-        loss = record.get("loss")
-        if math.isnan(loss) or math.isinf(loss):
-            if self._seen_nan.get(record.rank):
-                return []
-            self._seen_nan[record.rank] = True
-            return [
-                Finding(
-                    kind="nan",
-                    step=record.step,
-                    onset=record.step,
-                    severity=Severity.ERROR,
-                    signal="loss",
-                    value=loss,
-                    message=f"loss is {loss} at step {record.step}",
-                    detector="nan",
-                    rank=record.rank,
-                    causes=(CauseHint(cause="numerical_nan", score=1.0, evidence="loss non-finite",
-                                      remedy=remedy("numerical_nan")),),
-                )
-            ]
-        return []
+        """Consume one record; return the findings to alert on."""
+        suite = self._suite(record.rank)
+        suite.history.push(record)
+        found: list[Finding] = []
+        for detector in suite.detectors:
+            found.extend(detector.update(record))
+        return self._fuse(suite, record.rank, found)
 
     def finish(self) -> list[Finding]:
-        return []
+        """Flush what the detectors hold back (unconfirmed spikes) at the end of the records."""
+        out: list[Finding] = []
+        for rank, suite in sorted(self._ranks.items()):
+            found: list[Finding] = []
+            for detector in suite.detectors:
+                flush = getattr(detector, "finish", None)
+                if flush is not None:
+                    found.extend(flush())
+            out.extend(self._fuse(suite, rank, found))
+        return out
+
+    def _fuse(self, suite: _RankSuite, rank: int, found: list[Finding]) -> list[Finding]:
+        alerts: list[Finding] = []
+        for raw in found:
+            if raw.evidence.get("closes"):
+                self._close(rank, raw)
+                continue
+            ranking = rank_causes(raw, suite.history)
+            finding = dataclasses.replace(raw, causes=ranking.causes, rollback_step=ranking.rollback_step,
+                                          skip_batches=ranking.skip_batches)
+            if self._join(suite, rank, finding):
+                alerts.append(finding)
+        return alerts
+
+    def _join(self, suite: _RankSuite, rank: int, finding: Finding) -> bool:
+        """Add ``finding`` to an incident; True when it must be alerted."""
+        cfg = self.config
+        incident = self._open.get(rank)
+        last = suite.last_alert.get(finding.kind)
+        cooled = last is not None and finding.step - last[0] < cfg.cooldown_steps and last[1] >= finding.severity.rank
+        if incident is not None and (finding.step - incident.last_step <= cfg.fuse_steps or cooled):
+            incident.findings.append(finding)
+            incident.last_step = max(incident.last_step, finding.step)
+            if finding.end is not None:
+                incident.end = max(incident.end or finding.end, finding.end)
+            if finding.severity.rank <= incident.alerted.rank:
+                return False
+            incident.alerted = finding.severity
+        else:
+            incident = Incident(rank=rank, findings=[finding], alerted=finding.severity, last_step=finding.step,
+                                end=finding.end)
+            self._open[rank] = incident
+            self.incidents.append(incident)
+        suite.last_alert[finding.kind] = (finding.step, finding.severity.rank)
+        return True
+
+    def _close(self, rank: int, closing: Finding) -> None:
+        for incident in reversed(self.incidents):
+            match = [f for f in incident.findings if f.kind == closing.kind and f.onset == closing.onset]
+            if incident.rank == rank and match:
+                end = closing.end if closing.end is not None else closing.step
+                incident.end = max(incident.end or end, end)
+                batches = self._ranks[rank].history.batches
+                incident.late_batches += [batches[s] for s in sorted(batches) if match[0].step < s <= end]
+                return
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seen_nan": {str(k): v for k, v in self._seen_nan.items()}}
+        """Plain data (msgpack-able: the history is stored as float32 bytes); a few hundred KB per rank at most."""
+        kept: dict[int, list[Incident]] = {}
+        for incident in self.incidents:
+            kept.setdefault(incident.rank, []).append(incident)
+        return {
+            "version": 1,
+            "ranks": {str(r): s.state_dict() for r, s in self._ranks.items()},
+            "incidents": [i.to_state() for r in sorted(kept) for i in kept[r][-MAX_KEPT_INCIDENTS:]],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._seen_nan = {int(k): bool(v) for k, v in state.get("seen_nan", {}).items()}
+        """Restore :meth:`state_dict` output."""
+        self._ranks = {}
+        for rank, suite_state in state["ranks"].items():
+            self._suite(int(rank)).load_state_dict(suite_state)
+        self.incidents = [Incident.from_state(i) for i in state["incidents"]]
+        self._open = {i.rank: i for i in self.incidents}

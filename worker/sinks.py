@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import redis
 
@@ -78,7 +78,7 @@ def finding_key(finding: Finding) -> str:
     return f"{finding.rank}:{finding.kind}:{finding.step}"
 
 
-def redis_meta(client: redis.Redis) -> MetaLookup:
+def redis_meta(client: redis.Redis[bytes]) -> MetaLookup:
     """A :data:`MetaLookup` reading ``keys.meta(run_id)`` from Redis."""
 
     def lookup(run_id: str) -> dict[str, str]:
@@ -95,7 +95,9 @@ def _text(value: bytes | str) -> str:
 class ConsoleSink:
     """Logs every finding (``logging``: warning/error findings at WARNING/ERROR, others at INFO)."""
 
-    _LEVELS = {Severity.INFO: logging.INFO, Severity.WARNING: logging.WARNING, Severity.ERROR: logging.ERROR}
+    _LEVELS: ClassVar[dict[Severity, int]] = {
+        Severity.INFO: logging.INFO, Severity.WARNING: logging.WARNING, Severity.ERROR: logging.ERROR,
+    }  # fmt: skip
 
     def emit(self, run_id: str, findings: Sequence[Finding], records: Sequence[Entry]) -> None:
         """Log each finding with its top cause."""
@@ -134,7 +136,7 @@ class RedisFindingsSink:
     The check and the XADD run in one Lua script, so a re-processed batch never adds a finding twice.
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis[bytes]) -> None:
         self._client = client
         self._script = client.register_script(_ADD_ONCE)
 
@@ -147,7 +149,9 @@ class RedisFindingsSink:
             args += [finding_key(f), json.dumps(f.to_dict())]
         added = self._script(keys=[keys.findings(run_id), findings_seen_key(run_id)], args=args)
         if added != len(findings):
-            logger.debug("%s: %d of %d findings were already in the stream", run_id, len(findings) - added, len(findings))
+            logger.debug(
+                "%s: %d of %d findings were already in the stream", run_id, len(findings) - added, len(findings)
+            )
 
     def close(self, run_id: str) -> None:
         """Nothing to release (the dedupe set stays, so a late re-delivery is still ignored)."""

@@ -1,0 +1,150 @@
+"""Shared math of the streaming detectors: a trailing window and a robust local-linear baseline.
+
+Everything works on one series (log loss, log grad norm). The baseline of the next point is a robust line
+through the trailing window of *accepted* points (points a detector flagged are never added, so one spike does
+not inflate the scale and hide the next). The line is Theil-Sen restricted to pairs half a window apart (median
+of those slopes, then median intercept): O(w) per step and robust to a few outliers. The scale is 1.4826 * MAD
+of the window's residuals, floored. The MAD is one line of numpy: ``statsmodels.robust.scale.mad`` computes the
+same value but costs ~1.8 s of import time and is slower per call (measured), and these detectors are imported by
+``stability.detectors``.
+
+With fewer than ``min_points`` points the baseline is the window median and the scale is unknown (``nan``): the
+detectors then gate on the ratio alone (see ``spike.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Baseline", "Prediction", "Window", "log_positive", "mad_scale", "robust_line"]
+
+MAD_TO_SIGMA = 1.4826
+"""Consistency constant: 1.4826 * MAD estimates sigma for Gaussian data."""
+
+
+def mad_scale(values: np.ndarray) -> float:
+    """1.4826 times the median absolute deviation of ``values`` (a robust standard deviation)."""
+    return MAD_TO_SIGMA * float(np.median(np.abs(values - np.median(values))))
+
+
+def robust_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Robust line through ``(x, y)``: returns ``(level at x[-1], slope)``.
+
+    The slope is the median of the slopes between points half a window apart (a cheap Theil-Sen); the level is
+    the median of ``y - slope * (x - x[-1])``.
+    """
+    half = len(y) // 2
+    if half == 0:
+        return float(y[-1]), 0.0
+    dx = x[half : 2 * half] - x[:half]
+    slope = float(np.median((y[half : 2 * half] - y[:half]) / dx))
+    level = float(np.median(y - slope * (x - x[-1])))
+    return level, slope
+
+
+class Window:
+    """The last ``size`` (x, y) pairs, kept contiguous so numpy sees plain slices (amortised O(1) append)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._x = np.empty(2 * size)
+        self._y = np.empty(2 * size)
+        self._n = 0
+
+    def __len__(self) -> int:
+        return min(self._n, self.size)
+
+    def push(self, x: float, y: float) -> None:
+        """Append one pair, dropping the oldest beyond ``size``."""
+        if self._n == 2 * self.size:
+            self._x[: self.size - 1] = self._x[self.size + 1 :]
+            self._y[: self.size - 1] = self._y[self.size + 1 :]
+            self._n = self.size - 1
+        self._x[self._n] = x
+        self._y[self._n] = y
+        self._n += 1
+
+    @property
+    def x(self) -> np.ndarray:
+        """The x values, oldest first."""
+        return self._x[max(0, self._n - self.size) : self._n]
+
+    @property
+    def y(self) -> np.ndarray:
+        """The y values, oldest first."""
+        return self._y[max(0, self._n - self.size) : self._n]
+
+    def clear(self) -> None:
+        """Forget every point."""
+        self._n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state."""
+        return {"x": self.x.tolist(), "y": self.y.tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.clear()
+        for x, y in zip(state["x"], state["y"], strict=True):
+            self.push(float(x), float(y))
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """Baseline prediction for one point."""
+
+    level: float
+    """Predicted value (log space)."""
+    scale: float
+    """Robust sigma of the residuals; ``nan`` in the few-points regime."""
+    points: int
+    """How many points the baseline was built from."""
+
+    def z(self, y: float) -> float:
+        """Robust z of ``y`` (``nan`` when the scale is unknown)."""
+        return (y - self.level) / self.scale if self.scale == self.scale else math.nan
+
+
+class Baseline:
+    """Robust local-linear baseline over a trailing window of accepted points (see the module docstring)."""
+
+    def __init__(self, *, window: int, min_points: int, scale_floor: float) -> None:
+        self.window = Window(window)
+        self.min_points = min_points
+        self.scale_floor = scale_floor
+
+    def __len__(self) -> int:
+        return len(self.window)
+
+    def predict(self, x: float) -> Prediction:
+        """The baseline at ``x`` (call only when at least one point is in the window)."""
+        xs, ys = self.window.x, self.window.y
+        if len(ys) < self.min_points:
+            return Prediction(float(np.median(ys)), math.nan, len(ys))
+        level, slope = robust_line(xs, ys)
+        residuals = ys - (level + slope * (xs - xs[-1]))
+        scale = max(mad_scale(residuals), self.scale_floor)
+        return Prediction(level + slope * (x - xs[-1]), scale, len(ys))
+
+    def accept(self, x: float, y: float) -> None:
+        """Add a point that was not flagged."""
+        self.window.push(x, y)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state."""
+        return self.window.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.window.load_state_dict(state)
+
+
+def log_positive(value: float) -> float | None:
+    """``log(value)`` for a finite positive value, else ``None`` (absent, zero, negative or non-finite)."""
+    if value > 0 and math.isfinite(value):
+        return math.log(value)
+    return None

@@ -1,0 +1,161 @@
+"""Gradient-explosion detector on the global ``grad_norm`` (log space).
+
+* **Candidate**: robust z >= ``z_threshold`` (6) and ``grad_norm / baseline >= ratio_threshold`` (5x); with fewer
+  than ``min_points`` points the ratio alone against the median of at least 2 points. Non-positive grad norms
+  are treated as absent (some Megatron builds print ``0.000`` when the norm is not computed).
+* **Huge** (``ratio >= error_ratio``, 50x): ERROR at once.
+* **Confirmation** at the next record: still ``>= confirm_ratio`` (2.5x) over the frozen baseline, or the loss is
+  spiking -> ``grad_explosion`` WARNING (ERROR if the loss is also >= ``loss_ratio`` over its recent median).
+  Otherwise an isolated blip (the clean llm.c run has a 7.5x one at step 9025 whose next value is 1.26x): INFO.
+* Per-layer ``grad_norm/<module>`` is not alarmed here; the engine keeps it for ranking (which layer moved first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from stability.detectors._stats import Baseline, Prediction, log_positive
+from stability.detectors.base import Finding, Severity
+from stability.records import StepRecord
+
+__all__ = ["GradConfig", "GradExplosionDetector"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradConfig:
+    """Settings of :class:`GradExplosionDetector`."""
+
+    window: int = 96
+    min_points: int = 32
+    few_min_points: int = 2
+    z_threshold: float = 6.0
+    ratio_threshold: float = 5.0
+    confirm_ratio: float = 2.5
+    error_ratio: float = 50.0
+    loss_ratio: float = 1.5
+    loss_window: int = 16
+    recover_ratio: float = 2.0
+    scale_floor: float = 1e-2
+    max_active: int = 200
+
+
+class GradExplosionDetector:
+    """Streaming gradient-explosion detector for one rank (see the module docstring)."""
+
+    name = "grad"
+    kind = "grad_explosion"
+
+    def __init__(self, config: GradConfig | None = None) -> None:
+        self.config = config or GradConfig()
+        cfg = self.config
+        self._base = Baseline(window=cfg.window, min_points=cfg.min_points, scale_floor=cfg.scale_floor)
+        self._losses: deque[float] = deque(maxlen=cfg.loss_window)
+        self._pending: dict[str, Any] | None = None
+        self._active: dict[str, Any] | None = None
+
+    def _loss_ratio(self, record: StepRecord) -> float:
+        loss = log_positive(record.get("loss"))
+        if loss is None or len(self._losses) < 2:
+            return 1.0
+        ordered = sorted(self._losses)
+        ratio = math.exp(loss - ordered[len(ordered) // 2])
+        return ratio
+
+    def _candidate(self, y: float, pred: Prediction) -> bool:
+        ratio = math.exp(y - pred.level)
+        if pred.points < self.config.min_points:
+            return ratio >= self.config.ratio_threshold
+        return ratio >= self.config.ratio_threshold and pred.z(y) >= self.config.z_threshold
+
+    def update(self, record: StepRecord) -> list[Finding]:
+        """Consume one record."""
+        y = log_positive(record.get("grad_norm"))
+        loss_ratio = self._loss_ratio(record)
+        loss = log_positive(record.get("loss"))
+        if loss is not None and loss_ratio < self.config.loss_ratio:
+            self._losses.append(loss)
+        if y is None:
+            return []
+        if self._active is not None:
+            return self._track(record, y)
+        if self._pending is not None:
+            cand, self._pending = self._pending, None
+            ratio_now = math.exp(y - cand["level"])
+            loss_spiking = max(cand["loss_ratio"], loss_ratio) >= self.config.loss_ratio
+            if ratio_now >= self.config.confirm_ratio or loss_spiking:
+                severity = Severity.ERROR if loss_spiking else Severity.WARNING
+                self._active = {**cand, "last": record.step, "records": 0}
+                return [self._finding(record, cand, severity,
+                                      f"rose {cand['ratio']:.1f}x over its baseline at step {cand['step']} and is "
+                                      f"{ratio_now:.1f}x at step {record.step}",
+                                      extra={"confirm_ratio": ratio_now, "loss_ratio": max(cand["loss_ratio"],
+                                                                                         loss_ratio)})]
+            self._base.accept(record.step, y)
+            return [self._finding(record, cand, Severity.INFO,
+                                  f"isolated blip of {cand['ratio']:.1f}x at step {cand['step']}, back to "
+                                  f"{ratio_now:.1f}x at step {record.step}", end=cand["step"],
+                                  extra={"reverted": 1.0})]
+        if len(self._base) < self.config.few_min_points:
+            self._base.accept(record.step, y)
+            return []
+        pred = self._base.predict(record.step)
+        if not self._candidate(y, pred):
+            self._base.accept(record.step, y)
+            return []
+        ratio = math.exp(y - pred.level)
+        cand = {"step": record.step, "y": y, "level": pred.level, "ratio": ratio, "z": pred.z(y),
+                "points": pred.points, "loss_ratio": loss_ratio}
+        if ratio >= self.config.error_ratio:
+            self._active = {**cand, "last": record.step, "records": 0}
+            return [self._finding(record, cand, Severity.ERROR, f"rose {ratio:.1f}x over its baseline",
+                                  extra={"loss_ratio": loss_ratio})]
+        self._pending = cand
+        return []
+
+    def _track(self, record: StepRecord, y: float) -> list[Finding]:
+        active = self._active
+        assert active is not None
+        if math.exp(y - active["level"]) < self.config.recover_ratio:
+            self._active = None
+            self._base.accept(record.step, y)
+            return [self._finding(record, active, Severity.INFO,
+                                  f"back under {self.config.recover_ratio:g}x at step {record.step}",
+                                  end=active["last"], extra={"closes": 1.0})]
+        active["last"] = record.step
+        active["records"] += 1
+        if active["records"] > self.config.max_active:
+            self._active = None
+            self._base.window.clear()
+            self._base.accept(record.step, y)
+        return []
+
+    def _finding(self, record: StepRecord, cand: dict[str, Any], severity: Severity, what: str, *,
+                 end: int | None = None, extra: dict[str, float] | None = None) -> Finding:
+        baseline = math.exp(cand["level"])
+        evidence = {"ratio": cand["ratio"], "z": cand["z"], "baseline": baseline, "points": float(cand["points"])}
+        evidence.update(extra or {})
+        return Finding(
+            kind=self.kind, step=record.step, onset=cand["step"], severity=severity, signal="grad_norm",
+            value=math.exp(cand["y"]), message=f"grad_norm {what} (baseline {baseline:.4g})", detector=self.name,
+            rank=record.rank, end=end, score=cand["ratio"], evidence=evidence,
+        )
+
+    def finish(self) -> list[Finding]:
+        """Nothing to flush: an unconfirmed grad-norm candidate alone is not reported."""
+        self._pending = None
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state."""
+        return {"base": self._base.state_dict(), "losses": list(self._losses), "pending": self._pending,
+                "active": None if self._active is None else dict(self._active)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._base.load_state_dict(state["base"])
+        self._losses = deque((float(v) for v in state["losses"]), maxlen=self.config.loss_window)
+        self._pending = None if state["pending"] is None else dict(state["pending"])
+        self._active = None if state["active"] is None else dict(state["active"])

@@ -1,0 +1,596 @@
+"""Capture: instrument a plain PyTorch training loop and produce one :class:`StepRecord` per optimizer step.
+
+::
+
+    capture = Capture(WatchConfig(run_id="r1"), sink).attach()        # auto: find model and optimizer
+    capture = Capture(config, sink).attach(model, optimizer)           # explicit
+    ...train...
+    capture.close()                                                   # removes every hook and patch, flushes
+
+What is recorded (names as in :mod:`stability.records`):
+
+* every step: ``loss`` (mean over the micro-batches of the tensors ``backward()`` was called on; a loss scaled by
+  ``GradScaler.scale`` is divided by the scale again), ``lr`` (``param_groups[0]``), ``grad_norm`` (global L2
+  norm before clipping) and ``nonfinite_grads``; with a ``GradScaler`` also ``loss_scale`` and ``skipped``;
+  ``grad_norm/<module>`` every ``config.layer_every`` steps;
+* every ``config.stats_every`` steps: ``param_norm/<module>``, ``update_ratio/<module>`` (‖Δw‖/‖w before the step‖,
+  when the parameters fit ``config.update_ratio_max_bytes``), ``adam_v_ratio/<module>`` (Σg²/Σv over the module's
+  parameters with an ``exp_avg_sq`` state, omitted where Σv = 0), ``act_absmax/<module>`` and ``act_rms/<module>``
+  for up to ``config.max_act_modules`` parameter-owning modules (forward hooks registered for that step only, and
+  only forward passes with grad enabled count, so evaluation passes are ignored), and ``logit_z`` when the model
+  output has a ``.logits`` attribute or a ``"logits"`` key;
+* whatever the loop passes to :meth:`Capture.observe`.
+
+Steps are 0-based: the first optimizer step is record step 0, and :attr:`Capture.step` counts the steps seen.
+A step ``GradScaler`` skipped is a step too (``skipped=1``).
+
+Auto mode (``attach()``): ``torch.Tensor.backward``/``torch.autograd.backward`` are patched for the loss (see
+:mod:`stability.hooks.torch_patches`); global optimizer step hooks follow the *first* optimizer that steps, and
+other optimizers are ignored (logged once); global module forward hooks, active only until that first step, note
+the outermost modules that ran forward, and those holding the optimizer's parameters are the model. In auto mode
+the first step therefore has no activation statistics. Explicit mode registers hooks on the given objects only.
+
+Hot path: hooks never read a device value on the host. Statistics are computed on the device with fused ops
+(:mod:`stability.hooks.stats`) and copied to the host once per step without blocking
+(:mod:`stability.hooks.staging`); a reader thread builds the records. Every hook body is guarded: an exception is
+counted, logged once per hook with its traceback and never reaches the training loop; after
+:data:`MAX_ERRORS` errors the capture turns itself off with one warning. Under ``torch.compile`` tracing the hooks
+do nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Concatenate, ParamSpec
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from stability.config import WatchConfig
+from stability.errors import RecordError
+from stability.hooks import stats, torch_patches
+from stability.hooks.layout import ParamLayout, build_layout, optimizer_params
+from stability.hooks.schedules import every
+from stability.hooks.staging import ABSENT, Reader, RecordSink, StagedStep, stage
+from stability.records import MAX_ID_CHARS, MAX_NAME_CHARS
+
+__all__ = ["MAX_ERRORS", "PENDING_LIMIT", "Capture", "RecordSink", "in_hook"]
+
+logger = logging.getLogger(__name__)
+
+MAX_ERRORS = 20
+"""After this many caught hook errors the capture disables itself."""
+PENDING_LIMIT = 1024
+"""Staged steps waiting for the reader thread before the oldest is dropped."""
+_MAX_CANDIDATES = 64
+_TRUE = frozenset({"1", "true", "yes", "on"})
+
+_P = ParamSpec("_P")
+_hook_state = threading.local()
+
+
+def in_hook() -> bool:
+    """True while stability hook code runs on the current thread (tests use it to forbid host syncs there)."""
+    return bool(getattr(_hook_state, "active", False))
+
+
+def _is_compiling() -> bool:
+    check = getattr(torch.compiler, "is_compiling", None)
+    return bool(check()) if check is not None else False
+
+
+def _hook(method: Callable[Concatenate[Capture, _P], None]) -> Callable[Concatenate[Capture, _P], None]:
+    """Run a hook body only while the capture is live; catch, count and log every exception."""
+
+    @functools.wraps(method)
+    def guarded(self: Capture, *args: _P.args, **kwargs: _P.kwargs) -> None:
+        if not self._live() or _is_compiling():
+            return
+        previous = in_hook()
+        _hook_state.active = True
+        try:
+            method(self, *args, **kwargs)
+        except Exception as exc:
+            self._record_error(exc, method.__name__)
+        finally:
+            _hook_state.active = previous
+
+    return guarded
+
+
+@dataclass
+class _StepState:
+    """What has been collected for the step in progress."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    parts: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
+    host: dict[str, float] = field(default_factory=dict)
+    grads_measured: bool = False
+    lr_recorded: bool = False
+    scaler: Any = None
+    snapshot: list[torch.Tensor] | None = None
+    acts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    logit_z: list[torch.Tensor] = field(default_factory=list)
+    batch: str | None = None
+
+
+class Capture:
+    """Training-side capture for one process; see the module docstring for what it records.
+
+    Args:
+        config: what to capture (``layer_every``, ``stats_every``, ``max_act_modules``, ...).
+        sink: where records go (the transport's ``Emitter``, or :class:`stability.testing.ListSink`).
+        rank: this process's rank (default: ``torch.distributed``, else ``RANK``, else 0).
+        coords: parallel coordinates to add to every record (``dp``, ``tp``, ``pp``, ...).
+    """
+
+    def __init__(
+        self,
+        config: WatchConfig,
+        sink: RecordSink,
+        *,
+        rank: int | None = None,
+        coords: Mapping[str, int] | None = None,
+    ) -> None:
+        self.config = config
+        self._sink = sink
+        self._rank_arg = rank
+        self._coords_arg = dict(coords or {})
+        self._layer_due = every(config.layer_every)
+        self._stats_due = every(config.stats_every)
+        self._state = _StepState()
+        self._step = 0
+        self._errors = 0
+        self._error_sites: set[str] = set()
+        self._error_lock = threading.Lock()
+        self._attached = False
+        self._closed = False
+        self._disabled = False
+        self._reader: Reader | None = None
+        self._handles: list[RemovableHandle] = []
+        self._discovery: list[RemovableHandle] = []
+        self._step_hooks: list[RemovableHandle] = []
+        self._roots: list[torch.nn.Module] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._ignored: set[int] = set()
+        self._layout: ParamLayout | None = None
+        self._layout_has_optimizer = False
+        self._candidates: dict[int, weakref.ref[torch.nn.Module]] = {}
+        self._forward = threading.local()
+        self._scaled: tuple[weakref.ref[torch.Tensor], Any] | None = None
+        self._scaler_call: tuple[Any, torch.optim.Optimizer, int] | None = None
+        self._meta: tuple[int, dict[str, int], str] | None = None
+
+    # ----------------------------------------------------------------------------------------------- public API
+
+    @property
+    def step(self) -> int:
+        """Number of optimizer steps observed so far (the next record's step)."""
+        return self._step
+
+    @property
+    def errors(self) -> int:
+        """Exceptions caught in hooks (and in the reader thread) so far."""
+        return self._errors
+
+    @property
+    def dropped(self) -> int:
+        """Steps lost because the reader fell behind, plus records the sink refused."""
+        return self._reader.dropped if self._reader is not None else 0
+
+    @property
+    def attached(self) -> bool:
+        """True between a successful :meth:`attach` and :meth:`close`."""
+        return self._attached and not self._closed
+
+    def attach(
+        self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
+    ) -> Capture:
+        """Start capturing; ``model``/``optimizer`` None means discover them (auto mode).
+
+        Does nothing when ``config.enabled`` is False or ``STABILITY_DISABLE`` is set, or when already attached.
+
+        Returns:
+            self, for ``capture = Capture(...).attach()``.
+        """
+        if self._attached or self._closed:
+            logger.warning("stability: Capture.attach() called twice (or after close); ignored")
+            return self
+        if not self.config.enabled or os.environ.get("STABILITY_DISABLE", "").strip().lower() in _TRUE:
+            logger.info("stability: capture disabled; nothing attached")
+            return self
+        self._reader = Reader(self._sink, self._record_error, PENDING_LIMIT)
+        torch_patches.subscribe(self)
+        self._attached = True
+        if optimizer is None:
+            self._handles.append(register_optimizer_step_pre_hook(self._on_pre_step))
+            self._handles.append(register_optimizer_step_post_hook(self._on_post_step))
+        else:
+            self._optimizer = optimizer
+            self._handles.append(optimizer.register_step_pre_hook(self._on_pre_step))
+            self._handles.append(optimizer.register_step_post_hook(self._on_post_step))
+        if model is None:
+            self._discovery.append(register_module_forward_pre_hook(self._on_any_forward_pre))
+            self._discovery.append(register_module_forward_hook(self._on_any_forward, always_call=True))
+        else:
+            self._roots = [model]
+            self._arm_step_hooks()
+        return self
+
+    def observe(self, name: str, value: torch.Tensor | float) -> None:
+        """Add signal ``name`` to the current step. A tensor stays on its device (read later, no sync).
+
+        A tensor with several elements is reduced to its maximum. Bad input is counted as an error, never raised.
+        """
+        self._observe(name, value)
+
+    def set_batch(self, batch_id: str | int) -> None:
+        """Record the identity of the current step's batch (for replay and skip lists)."""
+        self._set_batch(batch_id)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until every completed step has been handed to the sink (at most ``timeout`` seconds)."""
+        if self._reader is not None and not self._reader.flush(timeout):
+            logger.warning("stability: capture flush timed out after %.1f s", timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Remove every hook and patch, then flush; idempotent. The step in progress, if any, is not recorded."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._attached:
+            torch_patches.unsubscribe(self)
+        for handle in (*self._handles, *self._discovery, *self._step_hooks):
+            handle.remove()
+        self._handles, self._discovery, self._step_hooks = [], [], []
+        self._candidates.clear()
+        if self._reader is not None and not self._reader.close(timeout):
+            logger.warning("stability: capture closed with records still pending after %.1f s", timeout)
+
+    def __enter__(self) -> Capture:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------- patch listener hooks
+
+    @_hook
+    def on_backward(self, tensor: torch.Tensor) -> None:
+        """``backward()`` returned for ``tensor``: keep it (detached, on device) as a loss of this step."""
+        loss = tensor.detach()
+        scaled = self._scaled
+        if scaled is not None and scaled[0]() is tensor:
+            scale = getattr(scaled[1], "_scale", None)
+            if isinstance(scale, torch.Tensor):
+                loss = loss.to(torch.float32) / scale.to(loss.device, non_blocking=True)
+            self._state.scaler = scaled[1]
+        self._state.losses.append(loss.to(torch.float32).mean())  # a new tensor: later in-place edits don't leak
+
+    @_hook
+    def on_scale(self, scaler: Any, output: torch.Tensor) -> None:
+        """``GradScaler.scale`` returned ``output``: remember it to unscale the loss at ``backward()``."""
+        self._scaled = (weakref.ref(output), scaler)
+
+    @_hook
+    def before_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Measure the gradients before ``clip_grad_norm_`` changes them."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        self._ensure_layout(params)
+        if self._layout is not None and not self._state.grads_measured:
+            self._measure_grads()
+
+    @_hook
+    def before_scaler_step(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+        """``GradScaler.step`` starts: remember it, to tell a skipped step from a taken one."""
+        self._scaler_call = (scaler, optimizer, self._step)
+
+    @_hook
+    def after_scaler_step(self, scaler: Any, optimizer: torch.optim.Optimizer, completed: bool) -> None:
+        """``GradScaler.step`` returned; if no optimizer step happened inside, record a skipped step."""
+        call, self._scaler_call = self._scaler_call, None
+        if not completed or call is None or call[2] != self._step or not getattr(scaler, "_enabled", False):
+            return
+        if not self._adopt(optimizer):
+            return
+        self._state.scaler = scaler
+        self._begin_step(optimizer)
+        self._finish_step(optimizer, skipped=1.0)
+
+    # ------------------------------------------------------------------------------------------- torch hooks
+
+    @_hook
+    def _on_pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._adopt(optimizer):
+            self._begin_step(optimizer)
+
+    @_hook
+    def _on_post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer is self._optimizer:
+            self._finish_step(optimizer, skipped=None)
+
+    @_hook
+    def _on_any_forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        depth = getattr(self._forward, "depth", 0)
+        self._forward.depth = depth + 1
+        if depth == 0 and len(self._candidates) < _MAX_CANDIDATES:
+            self._candidates.setdefault(id(module), weakref.ref(module))
+
+    @_hook
+    def _on_any_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._forward.depth = max(0, getattr(self._forward, "depth", 0) - 1)
+
+    @_hook
+    def _on_activation(self, name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            x = stats.first_float_tensor(output)
+            if x is not None:
+                self._state.acts.setdefault(name, []).append(stats.activation_stats(x))
+
+    @_hook
+    def _on_model_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            logits = stats.logits_of(output)
+            if logits is not None:
+                self._state.logit_z.append(stats.logit_z(logits))
+
+    @_hook
+    def _observe(self, name: str, value: torch.Tensor | float) -> None:
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
+            raise RecordError(f"observe(): signal name {name!r} is invalid (1-{MAX_NAME_CHARS} printable chars)")
+        if isinstance(value, torch.Tensor):
+            flat = value.detach().reshape(-1)
+            if flat.numel() == 0:
+                raise RecordError(f"observe({name!r}): the tensor is empty")
+            kept = flat.amax(keepdim=True) if flat.numel() > 1 else flat.clone()
+            self._state.parts.append(([name], kept))
+        else:
+            self._state.host[name] = float(value)
+
+    @_hook
+    def _set_batch(self, batch_id: str | int) -> None:
+        self._state.batch = str(batch_id)[:MAX_ID_CHARS]
+
+    # -------------------------------------------------------------------------------------------- step logic
+
+    def _live(self) -> bool:
+        return self._attached and not self._closed and not self._disabled
+
+    def _adopt(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True if ``optimizer`` is the tracked one; the first optimizer to step becomes the tracked one."""
+        if self._optimizer is None:
+            self._optimizer = optimizer
+        if optimizer is self._optimizer:
+            return True
+        if id(optimizer) not in self._ignored:
+            self._ignored.add(id(optimizer))
+            logger.info("stability: ignoring optimizer %s; only the first one to step is tracked", type(optimizer).__name__)
+        return False
+
+    def _begin_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """At the optimizer pre-step: gradient statistics (unless taken at clipping), lr, parameter snapshot."""
+        self._ensure_layout(None)
+        state = self._state
+        if not state.grads_measured:
+            self._measure_grads()
+        if not state.lr_recorded:
+            state.lr_recorded = True
+            lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+            if isinstance(lr, torch.Tensor):
+                state.parts.append((["lr"], lr.detach().reshape(-1)[:1]))
+            elif isinstance(lr, (int, float)):
+                state.host["lr"] = float(lr)
+        layout = self._layout
+        if (
+            layout is not None
+            and state.snapshot is None
+            and self._stats_due(self._step)
+            and layout.total_bytes <= self.config.update_ratio_max_bytes
+        ):
+            state.snapshot = [p.detach().clone() for p in layout.params]
+
+    def _ensure_layout(self, params: list[torch.Tensor] | None) -> None:
+        """Find the model (auto mode) and group the measured parameters by module, once."""
+        optimizer = self._optimizer
+        if self._layout is not None and (self._layout_has_optimizer or optimizer is None):
+            return
+        wanted = optimizer_params(optimizer) if optimizer is not None else params
+        if not self._roots:
+            self._roots = self._discover_roots({id(p) for p in wanted or []})
+        self._layout = build_layout(self._roots, wanted)
+        self._layout_has_optimizer = optimizer is not None
+        for handle in self._discovery:
+            handle.remove()
+        self._discovery = []
+        self._candidates.clear()
+        if optimizer is not None:
+            logger.info(
+                "stability: tracking %s with model %s: %d parameter tensors in %d modules",
+                type(optimizer).__name__,
+                ", ".join(type(r).__name__ for r in self._roots) or "(not found)",
+                len(self._layout.params),
+                len(self._layout.modules),
+            )
+
+    def _discover_roots(self, param_ids: set[int]) -> list[torch.nn.Module]:
+        modules = [m for ref in self._candidates.values() if (m := ref()) is not None]
+        roots = [m for m in modules if any(id(p) in param_ids for p in m.parameters())]
+        return [r for r in roots if not any(o is not r and any(x is r for x in o.modules()) for o in roots)]
+
+    def _device(self) -> torch.device:
+        layout = self._layout
+        if layout is not None and layout.params:
+            return layout.params[0].device
+        return torch.device("cpu")
+
+    def _measure_grads(self) -> None:
+        """Global and per-module gradient norms and the non-finite count, on the device."""
+        layout = self._layout
+        assert layout is not None
+        state = self._state
+        state.grads_measured = True
+        device = self._device()
+        grads = [p.grad for p in layout.params]
+        norms = stats.tensor_norms(grads, device)
+        state.parts.append((["grad_norm"], torch.linalg.vector_norm(norms).reshape(1)))
+        state.parts.append((["nonfinite_grads"], stats.nonfinite_count(grads, device).reshape(1)))
+        if self._layer_due(self._step) and layout.modules:
+            per_module = stats.segment_sum(norms.square(), layout.index(device), len(layout.modules)).sqrt()
+            state.parts.append((layout.names("grad_norm"), per_module))
+
+    def _finish_step(self, optimizer: torch.optim.Optimizer, skipped: float | None) -> None:
+        """Complete the step: sampled statistics, loss, scaler signals; stage the record; prepare the next step."""
+        state, step = self._state, self._step
+        try:
+            if self._stats_due(step) and self._layout is not None:
+                self._sampled_stats(optimizer, state)
+            self._loss_and_scaler(optimizer, state, skipped)
+            self._submit(state, step)
+        finally:
+            self._step = step + 1
+            self._state = _StepState()
+            self._arm_step_hooks()
+
+    def _sampled_stats(self, optimizer: torch.optim.Optimizer, state: _StepState) -> None:
+        layout = self._layout
+        assert layout is not None
+        device, n = self._device(), len(layout.modules)
+        index = layout.index(device)
+        params = [p.detach() for p in layout.params]
+        param_sq = stats.segment_sum(stats.tensor_norms(params, device).square(), index, n)
+        state.parts.append((layout.names("param_norm"), param_sq.sqrt()))
+        if state.snapshot is not None:
+            delta = torch._foreach_sub(params, state.snapshot)
+            delta_sq = stats.segment_sum(stats.tensor_norms(delta, device).square(), index, n)
+            before_sq = stats.segment_sum(stats.tensor_norms(state.snapshot, device).square(), index, n)
+            state.parts.append((layout.names("update_ratio"), (delta_sq / before_sq).sqrt()))
+        exp_avg_sq = [optimizer.state.get(p, {}).get("exp_avg_sq") for p in layout.params]
+        if any(isinstance(v, torch.Tensor) for v in exp_avg_sq):
+            vs = [v if isinstance(v, torch.Tensor) else None for v in exp_avg_sq]
+            gs = [p.grad if v is not None else None for p, v in zip(layout.params, vs, strict=True)]
+            g_sq = stats.segment_sum(stats.tensor_norms(gs, device).square(), index, n)
+            v_sum = stats.segment_sum(stats.tensor_norms(vs, device, ord=1.0), index, n)
+            ratio = torch.where(v_sum > 0, g_sq / v_sum, torch.full_like(v_sum, ABSENT))
+            state.parts.append((layout.names("adam_v_ratio"), ratio))
+        if state.acts:
+            names = list(state.acts)
+            calls = [torch.stack(state.acts[name]) for name in names]
+            absmax = torch.stack([c[:, 0].amax() for c in calls])
+            rms = torch.stack([c[:, 1].mean() for c in calls]).sqrt()
+            state.parts.append(([f"act_absmax/{m}" for m in names], absmax))
+            state.parts.append(([f"act_rms/{m}" for m in names], rms))
+        if state.logit_z:
+            state.parts.append((["logit_z"], torch.stack(state.logit_z).mean().reshape(1)))
+
+    def _loss_and_scaler(self, optimizer: torch.optim.Optimizer, state: _StepState, skipped: float | None) -> None:
+        if state.losses:
+            device = state.losses[0].device
+            losses = [x.to(device, non_blocking=True) for x in state.losses]
+            state.parts.append((["loss"], torch.stack(losses).mean().reshape(1)))
+        call = self._scaler_call
+        scaler = call[0] if call is not None else state.scaler
+        if scaler is None or not getattr(scaler, "_enabled", False):
+            return
+        scale = getattr(scaler, "_scale", None)
+        if isinstance(scale, torch.Tensor):
+            state.parts.append((["loss_scale"], scale.detach().reshape(-1)[:1].clone()))
+        if skipped is not None:
+            state.host["skipped"] = skipped
+        elif call is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            state.parts.append((["skipped"], self._found_inf(scaler, optimizer)))
+        else:
+            state.host["skipped"] = 0.0
+
+    def _found_inf(self, scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """1.0 if the scaler found inf/NaN gradients for ``optimizer`` (fused optimizers skip internally)."""
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        device = self._device()
+        flags = [t.to(device, dtype=torch.float32, non_blocking=True).reshape(1) for t in found.values()]
+        return (torch.cat(flags).sum() > 0).to(torch.float32).reshape(1)
+
+    def _submit(self, state: _StepState, step: int) -> None:
+        assert self._reader is not None
+        rank, coords, host = self._metadata()
+        staged = StagedStep(
+            run_id=self.config.run_id,
+            step=step,
+            rank=rank,
+            wall_time=time.time(),
+            host=host,
+            coords=coords,
+            batch=state.batch,
+            host_signals=state.host,
+        )
+        stage(state.parts, staged)
+        self._reader.submit(staged)
+
+    def _arm_step_hooks(self) -> None:
+        """Remove the last step's activation hooks; register new ones if the coming step is sampled."""
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
+        if not self._live() or not self._roots or not self._stats_due(self._step):
+            return
+        layout = self._layout or build_layout(self._roots, None)
+        for name, module in layout.activation_modules(self.config.max_act_modules):
+            self._step_hooks.append(module.register_forward_hook(functools.partial(self._on_activation, name)))
+        for root in self._roots:
+            self._step_hooks.append(root.register_forward_hook(self._on_model_output))
+
+    def _metadata(self) -> tuple[int, dict[str, int], str]:
+        if self._meta is None:
+            self._meta = (*_rank_and_coords(self._rank_arg, self._coords_arg), socket.gethostname())
+        return self._meta
+
+    def _record_error(self, exc: BaseException, where: str) -> None:
+        with self._error_lock:
+            self._errors += 1
+            count = self._errors
+            first = where not in self._error_sites
+            self._error_sites.add(where)
+        if first:
+            logger.error("stability: error in hook %s (training continues)", where, exc_info=exc)
+        else:
+            logger.debug("stability: error in hook %s: %r", where, exc)
+        if count >= MAX_ERRORS and not self._disabled:
+            self._disabled = True
+            logger.warning("stability: %d errors in capture hooks; capture disabled for the rest of the run", count)
+
+
+def _rank_and_coords(rank: int | None, extra: Mapping[str, int]) -> tuple[int, dict[str, int]]:
+    """Rank and coordinates from ``torch.distributed`` when initialized, else ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``."""
+    coords: dict[str, int] = {}
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        found_rank = dist.get_rank()
+        coords["world_size"] = dist.get_world_size()
+    else:
+        found_rank = _env_int("RANK", 0)
+        world = _env_int("WORLD_SIZE", -1)
+        if world >= 1:
+            coords["world_size"] = world
+    local = _env_int("LOCAL_RANK", -1)
+    if local >= 0:
+        coords["local_rank"] = local
+    coords.update(extra)
+    return (found_rank if rank is None else rank), coords
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default

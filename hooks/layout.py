@@ -1,0 +1,131 @@
+"""Which parameters the capture measures and which module each belongs to.
+
+Per-module signals are named ``<quantity>/<module path>``, the module path being the name ``named_modules()``
+gives the module that *directly* owns the parameters (``transformer.h.0.attn.c_attn``). Parameters owned by the
+root module itself are grouped under ``root``. With several root modules (two models trained by one optimizer)
+paths are prefixed ``root0.``, ``root1.``, ...; parameters the optimizer holds that are in no root go to
+``_other``. A parameter shared by two modules (tied embeddings) belongs to the first one in module order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["OTHER", "ROOT", "ParamLayout", "build_layout", "optimizer_params"]
+
+ROOT = "root"
+"""Module path used for parameters owned directly by the (single) root module."""
+OTHER = "_other"
+"""Module path used for parameters the optimizer holds that belong to no known module."""
+
+
+@dataclass(eq=False)
+class ParamLayout:
+    """The measured parameters in a fixed order, grouped into modules."""
+
+    params: list[torch.Tensor]
+    owners: list[int]
+    """Index into :attr:`modules` of each parameter."""
+    modules: list[str]
+    """Module paths, one per group."""
+    module_objects: list[torch.nn.Module | None]
+    """The module of each group (None for ``_other``)."""
+    _index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    _index_source: list[torch.Tensor] = field(default_factory=list)
+    _names: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all measured parameters (what a snapshot for update ratios costs)."""
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """The owner index as an int64 tensor on ``device``, made once (pinned + non-blocking copy on CUDA)."""
+        cached = self._index.get(device)
+        if cached is None:
+            host = torch.tensor(self.owners, dtype=torch.int64)
+            if device.type == "cuda":
+                host = host.pin_memory()
+                self._index_source.append(host)  # keep the pinned source alive while the copy runs
+            cached = host.to(device, non_blocking=True)
+            self._index[device] = cached
+        return cached
+
+    def names(self, quantity: str) -> list[str]:
+        """``["<quantity>/<module path>", ...]`` in module order (cached)."""
+        names = self._names.get(quantity)
+        if names is None:
+            names = [f"{quantity}/{m}" for m in self.modules]
+            self._names[quantity] = names
+        return names
+
+    def activation_modules(self, limit: int) -> list[tuple[str, torch.nn.Module]]:
+        """Up to ``limit`` parameter-owning modules, evenly spread over the module order (first and last kept)."""
+        found = [(n, m) for n, m in zip(self.modules, self.module_objects, strict=True) if m is not None]
+        if limit <= 0 or not found:
+            return []
+        if len(found) <= limit:
+            return found
+        if limit == 1:
+            return [found[-1]]
+        picks = sorted({round(i * (len(found) - 1) / (limit - 1)) for i in range(limit)})
+        return [found[i] for i in picks]
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters an optimizer holds, in param-group order, without duplicates."""
+    seen: set[int] = set()
+    params = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params
+
+
+def build_layout(roots: Sequence[torch.nn.Module], params: Iterable[torch.Tensor] | None) -> ParamLayout:
+    """Group ``params`` (default: all parameters of ``roots``) by the module of ``roots`` that owns them.
+
+    Args:
+        roots: the model(s); may be empty (then everything is ``_other``).
+        params: the parameters to measure, usually the optimizer's; None measures every parameter of ``roots``.
+
+    Returns:
+        The layout.
+    """
+    wanted = None if params is None else list(params)
+    wanted_ids = None if wanted is None else {id(p) for p in wanted}
+    layout = ParamLayout(params=[], owners=[], modules=[], module_objects=[])
+    placed: set[int] = set()
+    for r, root in enumerate(roots):
+        prefix = f"root{r}" if len(roots) > 1 else ""
+        for name, module in root.named_modules():
+            own = [
+                p
+                for p in module.parameters(recurse=False)
+                if id(p) not in placed and (wanted_ids is None or id(p) in wanted_ids)
+            ]
+            if not own:
+                continue
+            path = ".".join(x for x in (prefix, name) if x) or ROOT
+            _add_group(layout, path, module, own, placed)
+    rest = [p for p in (wanted or []) if id(p) not in placed]
+    if rest:
+        _add_group(layout, OTHER, None, rest, placed)
+    return layout
+
+
+def _add_group(
+    layout: ParamLayout, path: str, module: torch.nn.Module | None, params: list[torch.Tensor], placed: set[int]
+) -> None:
+    group = len(layout.modules)
+    layout.modules.append(path)
+    layout.module_objects.append(module)
+    for p in params:
+        placed.add(id(p))
+        layout.params.append(p)
+        layout.owners.append(group)

@@ -1,0 +1,205 @@
+"""Reversible process-wide patches of torch functions, shared by every attached capture.
+
+Some of what the capture needs has no hook in torch, so a few functions are wrapped:
+
+* ``torch.Tensor.backward`` and ``torch.autograd.backward``: the tensor ``backward()`` is called on is the loss.
+  ``Tensor.backward`` calls ``torch.autograd.backward`` itself; a per-thread depth counter makes one call report
+  once. For ``torch.autograd.backward(tensors=[a, b])`` the first tensor is reported.
+* ``torch.amp.GradScaler.scale`` (and ``ShardedGradScaler.scale`` when FSDP's module is already imported): which
+  tensor is a scaled loss, so the capture can divide the scale out again.
+* ``torch.amp.GradScaler.step``: around the call, so a step the scaler skipped (``optimizer.step()`` never ran,
+  so no optimizer hook fired) still produces a record.
+* ``torch.nn.utils.clip_grad_norm_`` (the same function as ``torch.nn.utils.clip_grad.clip_grad_norm_``): gradient
+  statistics are taken *before* clipping. Code that bound the function before the patch (``from torch.nn.utils
+  import clip_grad_norm_`` executed earlier) calls the original; gradients are then measured at the optimizer
+  pre-step hook, i.e. after clipping.
+
+The patches are installed when the first :class:`PatchListener` subscribes and removed when the last one
+unsubscribes; the wrappers call the original unchanged and report to the listeners, which must not raise.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["PatchListener", "installed", "subscribe", "unsubscribe"]
+
+logger = logging.getLogger(__name__)
+
+
+class PatchListener(Protocol):
+    """What the patched functions report to. Implementations must not raise."""
+
+    def on_backward(self, tensor: torch.Tensor) -> None:
+        """``backward()`` returned for ``tensor``."""
+
+    def on_scale(self, scaler: Any, output: torch.Tensor) -> None:
+        """``scaler.scale(loss)`` returned ``output``."""
+
+    def before_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """``clip_grad_norm_(parameters, ...)`` is about to run."""
+
+    def before_scaler_step(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+        """``scaler.step(optimizer)`` is about to run."""
+
+    def after_scaler_step(self, scaler: Any, optimizer: torch.optim.Optimizer, completed: bool) -> None:
+        """``scaler.step(optimizer)`` returned (``completed``) or raised."""
+
+
+@dataclass
+class _Patch:
+    target: Any
+    name: str
+    original: Any
+    wrapper: Any
+    owned: bool
+    """The attribute was in ``target.__dict__`` (else it was inherited and is deleted again on restore)."""
+
+
+_lock = threading.Lock()
+_listeners: list[PatchListener] = []
+_patches: list[_Patch] = []
+_depth = threading.local()
+
+
+def subscribe(listener: PatchListener) -> None:
+    """Start reporting to ``listener``; installs the patches for the first listener."""
+    with _lock:
+        if not _listeners:
+            _install()
+        if listener not in _listeners:
+            _listeners.append(listener)
+
+
+def unsubscribe(listener: PatchListener) -> None:
+    """Stop reporting to ``listener``; restores the original functions after the last listener."""
+    with _lock:
+        if listener in _listeners:
+            _listeners.remove(listener)
+        if not _listeners and _patches:
+            _uninstall()
+
+
+def installed() -> list[str]:
+    """Names of the functions currently patched (for tests and diagnostics)."""
+    with _lock:
+        return [f"{getattr(p.target, '__name__', p.target)}.{p.name}" for p in _patches]
+
+
+def _notify(method: str, *args: Any) -> None:
+    for listener in tuple(_listeners):
+        try:
+            getattr(listener, method)(*args)
+        except Exception:  # a listener must not raise; never let it reach the training loop
+            logger.exception("stability: listener %r failed in %s", listener, method)
+
+
+def _install() -> None:
+    import torch.nn.utils.clip_grad as clip_module
+
+    clip = _wrap_clip(clip_module.clip_grad_norm_)
+    targets: list[tuple[Any, str, Any]] = [
+        (torch.Tensor, "backward", _wrap_backward(torch.Tensor.backward, tensor_first=True)),
+        (torch.autograd, "backward", _wrap_backward(torch.autograd.backward, tensor_first=False)),
+        (torch.amp.GradScaler, "scale", _wrap_scale(torch.amp.GradScaler.scale)),
+        (torch.amp.GradScaler, "step", _wrap_scaler_step(torch.amp.GradScaler.step)),
+        (clip_module, "clip_grad_norm_", clip),
+        (torch.nn.utils, "clip_grad_norm_", clip),
+    ]
+    sharded = sys.modules.get("torch.distributed.fsdp.sharded_grad_scaler")
+    if sharded is not None and hasattr(sharded, "ShardedGradScaler"):
+        cls = sharded.ShardedGradScaler
+        targets.append((cls, "scale", _wrap_scale(cls.scale)))
+    for target, name, wrapper in targets:
+        owned = name in vars(target)
+        _patches.append(_Patch(target, name, getattr(target, name), wrapper, owned))
+        setattr(target, name, wrapper)
+
+
+def _uninstall() -> None:
+    for patch in reversed(_patches):
+        current = vars(patch.target).get(patch.name)
+        if current is not patch.wrapper:
+            logger.warning(
+                "stability: %s.%s was replaced by someone else after stability patched it; leaving it alone",
+                getattr(patch.target, "__name__", patch.target),
+                patch.name,
+            )
+            continue
+        if patch.owned:
+            setattr(patch.target, patch.name, patch.original)
+        else:
+            delattr(patch.target, patch.name)
+    _patches.clear()
+
+
+def _wrap_backward(original: Callable[..., Any], *, tensor_first: bool) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_depth, "value", 0)
+        _depth.value = depth + 1
+        try:
+            result = original(tensors, *args, **kwargs)
+        finally:
+            _depth.value = depth
+        if depth == 0 and _listeners:
+            loss = tensors if tensor_first or isinstance(tensors, torch.Tensor) else _first_tensor(tensors)
+            if isinstance(loss, torch.Tensor):
+                _notify("on_backward", loss)
+        return result
+
+    return backward
+
+
+def _first_tensor(tensors: Any) -> torch.Tensor | None:
+    if isinstance(tensors, (list, tuple)) and tensors and isinstance(tensors[0], torch.Tensor):
+        return tensors[0]
+    return None
+
+
+def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def scale(self: Any, outputs: Any) -> Any:
+        result = original(self, outputs)
+        if _listeners and isinstance(result, torch.Tensor):
+            _notify("on_scale", self, result)
+        return result
+
+    return scale
+
+
+def _wrap_scaler_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def step(self: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if not _listeners:
+            return original(self, optimizer, *args, **kwargs)
+        _notify("before_scaler_step", self, optimizer)
+        try:
+            result = original(self, optimizer, *args, **kwargs)
+        except BaseException:
+            _notify("after_scaler_step", self, optimizer, False)
+            raise
+        _notify("after_scaler_step", self, optimizer, True)
+        return result
+
+    return step
+
+
+def _wrap_clip(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        if _listeners:
+            if not isinstance(parameters, torch.Tensor):
+                parameters = list(parameters)  # a generator can be consumed only once
+            _notify("before_clip", parameters)
+        return original(parameters, *args, **kwargs)
+
+    return clip_grad_norm_

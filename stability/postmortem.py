@@ -1,0 +1,305 @@
+"""``stability postmortem``: analyse a finished (or crashed) run offline with the same detectors as the worker.
+
+Sources:
+
+* a CSV file (:func:`load_csv`): ``step`` column required; every other numeric column is a signal (``loss``,
+  ``grad_norm``, ``grad_norm/h.3.attn``, ...); optional ``rank``, ``run_id`` and ``batch`` columns; columns with
+  no numeric cell (``episode``, ``note``) are ignored; ``nan``, ``NAN``, ``inf``, ``Infinity`` and scientific
+  notation are accepted; an empty cell means absent.
+* a run directory (:func:`load_run_dir`): the worker's Parquet archive ``archive/*.parquet`` plus any spool files
+  ``spool/spool-rank*.bin`` the training process could not send.
+
+:func:`analyze` runs :class:`~stability.detectors.engine.RunDiagnoser` over the records and returns a
+:class:`PostmortemResult`; :func:`run` does load + analyse + write the JSON / HTML reports.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stability.detectors.base import Finding
+from stability.detectors.causes import remedy
+from stability.detectors.engine import DiagnoserConfig, Incident, RunDiagnoser
+from stability.errors import RecordError, SourceError
+from stability.records import StepRecord, decode
+
+__all__ = ["PostmortemResult", "analyze", "load_csv", "load_csv_groups", "load_run_dir", "run"]
+
+logger = logging.getLogger(__name__)
+
+_META_COLUMNS = ("rank", "run_id", "batch")
+_ARCHIVE_META = ("run_id", "rank", "step", "wall_time", "host", "batch", "entry_id")
+
+
+def _run_id_from(path: Path) -> str:
+    cleaned = re.sub(r"[^A-Za-z0-9_.:\-]", "-", path.stem).strip("-_.:") or "run"
+    return cleaned[:128]
+
+
+def _number(cell: str) -> float | None:
+    try:
+        return float(cell)
+    except ValueError:
+        return None
+
+
+def _read_rows(path: Path) -> tuple[list[str], list[list[str]]]:
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            rows = list(csv.reader(handle))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise SourceError(f"{path}: cannot read the CSV file ({exc})") from None
+    if not rows:
+        raise SourceError(f"{path}: the CSV file is empty (no header line)")
+    header = [name.strip() for name in rows[0]]
+    if len(set(header)) != len(header):
+        raise SourceError(f"{path}, line 1: duplicate column names in the header")
+    return header, rows[1:]
+
+
+def _numeric_columns(path: Path, header: list[str], rows: list[list[str]], skip: set[str]) -> list[int]:
+    """Indices of signal columns: a column with at least one number; a non-number in one of them is an error."""
+    numeric = []
+    for col, name in enumerate(header):
+        if name in skip or not name:
+            continue
+        cells = [(line, row[col].strip()) for line, row in enumerate(rows, start=2) if col < len(row)]
+        cells = [(line, cell) for line, cell in cells if cell]
+        parsed = [(line, cell, _number(cell)) for line, cell in cells]
+        if not any(value is not None for _, _, value in parsed):
+            continue
+        for line, cell, value in parsed:
+            if value is None:
+                raise SourceError(f"{path}, line {line}, column {name!r}: {cell!r} is not a number")
+        numeric.append(col)
+    return numeric
+
+
+def load_csv_groups(path: str | Path, group_column: str | None = None, *, step_column: str = "step",
+                    rename: Mapping[str, str] | None = None, run_id: str | None = None) -> dict[str, list[StepRecord]]:
+    """Like :func:`load_csv`, split by the text of ``group_column`` (e.g. ``episode`` of an excerpt file).
+
+    Without ``group_column`` everything is one group named ``""``.
+    """
+    path = Path(path)
+    header, rows = _read_rows(path)
+    if step_column not in header:
+        raise SourceError(f"{path}, line 1: no {step_column!r} column (columns: {', '.join(header)})")
+    index = {name: i for i, name in enumerate(header)}
+    if group_column is not None and group_column not in index:
+        raise SourceError(f"{path}, line 1: no {group_column!r} column to group by")
+    skip = {step_column, *_META_COLUMNS, *([group_column] if group_column else [])}
+    signal_cols = [(i, (rename or {}).get(header[i], header[i])) for i in _numeric_columns(path, header, rows, skip)]
+    default_run = run_id or _run_id_from(path)
+    groups: dict[str, dict[tuple[int, int], StepRecord]] = {}
+    for line, row in enumerate(rows, start=2):
+        if not any(cell.strip() for cell in row):
+            continue
+        cells = row + [""] * (len(header) - len(row))
+        step = _int_cell(path, line, step_column, cells[index[step_column]])
+        rank = _int_cell(path, line, "rank", cells[index["rank"]]) if "rank" in index else 0
+        signals = {name: float(cells[i]) for i, name in signal_cols if cells[i].strip()}
+        batch = cells[index["batch"]].strip() or None if "batch" in index else None
+        rid = cells[index["run_id"]].strip() if "run_id" in index else ""
+        record = StepRecord(run_id=rid or default_run, step=step, rank=rank, signals=signals, batch=batch)
+        key = cells[index[group_column]].strip() if group_column else ""
+        groups.setdefault(key, {})[(rank, step)] = record
+    return {key: sorted(recs.values(), key=lambda r: (r.rank, r.step)) for key, recs in groups.items()}
+
+
+def _int_cell(path: Path, line: int, column: str, cell: str) -> int:
+    text = cell.strip()
+    try:
+        value = int(text)
+    except ValueError:
+        number = _number(text)
+        if number is None or not number.is_integer():
+            what = "is empty" if not text else f"{text!r} is not an integer"
+            raise SourceError(f"{path}, line {line}, column {column!r}: {what}") from None
+        value = int(number)
+    if value < 0:
+        raise SourceError(f"{path}, line {line}, column {column!r}: {value} is negative")
+    return value
+
+
+def load_csv(path: str | Path, *, step_column: str = "step", rename: Mapping[str, str] | None = None,
+             run_id: str | None = None) -> list[StepRecord]:
+    """Read a CSV of per-step signals into records, sorted by step within each rank.
+
+    Args:
+        path: the CSV file.
+        step_column: the column holding the optimizer step (default ``step``).
+        rename: column -> signal name (e.g. ``{"train_loss": "loss"}``).
+        run_id: run id of the records when the file has no ``run_id`` column (default: from the file name).
+
+    Raises:
+        SourceError: unreadable file, no step column, or a cell that is not a number (names file, line, column).
+    """
+    groups = load_csv_groups(path, None, step_column=step_column, rename=rename, run_id=run_id)
+    return groups.get("", [])
+
+
+def load_run_dir(path: str | Path) -> list[StepRecord]:
+    """Read a run directory: ``archive/*.parquet`` and ``spool/spool-rank*.bin``, de-duplicated by (rank, step).
+
+    Raises:
+        SourceError: not a directory, unreadable archive, or no records at all.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise SourceError(f"{root}: not a run directory")
+    records: dict[tuple[int, int], StepRecord] = {}
+    for file in sorted((root / "archive").glob("*.parquet")):
+        for record in _read_parquet(file):
+            records.setdefault((record.rank, record.step), record)
+    for file in sorted((root / "spool").glob("spool-rank*.bin")):
+        for record in _read_spool(file):
+            records.setdefault((record.rank, record.step), record)
+    if not records:
+        raise SourceError(f"{root}: no records (looked for archive/*.parquet and spool/spool-rank*.bin)")
+    return sorted(records.values(), key=lambda r: (r.rank, r.step))
+
+
+def _read_parquet(file: Path) -> Iterable[StepRecord]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(file)
+    except Exception as exc:  # pyarrow raises several unrelated types
+        raise SourceError(f"{file}: cannot read the Parquet archive ({exc})") from None
+    if "step" not in table.column_names:
+        raise SourceError(f"{file}: no 'step' column in the Parquet archive")
+    columns = table.to_pydict()
+    signal_names = [n for n in table.column_names if n not in _ARCHIVE_META]
+    fallback = _run_id_from(file.parent.parent)
+    for i, step in enumerate(columns["step"]):
+        if step is None:
+            continue
+
+        def meta(name: str, default: Any, i: int = i) -> Any:
+            value = columns[name][i] if name in columns else None
+            return default if value is None else value
+
+        signals = {n: float(columns[n][i]) for n in signal_names if columns[n][i] is not None}
+        yield StepRecord(run_id=str(meta("run_id", fallback)), step=int(step), rank=int(meta("rank", 0)),
+                         wall_time=float(meta("wall_time", 0.0)), host=str(meta("host", "")),
+                         batch=meta("batch", None), signals=signals)
+
+
+def _read_spool(file: Path) -> list[StepRecord]:
+    try:
+        from stability.transport import read_spool
+    except ImportError:  # the transport is optional for an offline post-mortem
+        logger.warning("%s: stability.transport.read_spool is not available; spool file skipped", file)
+        return []
+    out = []
+    for entry_id, payload in read_spool(file):
+        try:
+            out.append(decode(payload))
+        except RecordError as exc:
+            logger.warning("%s: spool entry %s skipped (%s)", file, entry_id, exc)
+    return out
+
+
+def _jsonable(value: float | None) -> float | str | None:
+    if value is None or math.isfinite(value):
+        return value
+    return str(value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PostmortemResult:
+    """Outcome of :func:`analyze`."""
+
+    run_id: str
+    steps: int
+    """Distinct steps analysed."""
+    ranks: tuple[int, ...]
+    incidents: tuple[Incident, ...]
+    alerts: tuple[Finding, ...] = field(default=())
+    """The findings the online worker would have alerted on."""
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """One dict per incident (its headline finding, the earliest onset, the end, all kinds)."""
+        return [_event(incident) for incident in self.incidents]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (non-finite values as strings)."""
+        return {"run_id": self.run_id, "steps": self.steps, "ranks": list(self.ranks), "events": self.events}
+
+    def to_json(self) -> str:
+        """The report as strict JSON text: ``{"run_id", "steps", "events": [...]}``."""
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False)
+
+
+def _event(incident: Incident) -> dict[str, Any]:
+    head = incident.headline
+    top = head.causes[0].cause if head.causes else "unknown"
+    return {
+        "kind": head.kind,
+        "step": head.step,
+        "onset": incident.onset,
+        "end": incident.end,
+        "severity": head.severity.value,
+        "causes": [{"cause": c.cause, "score": c.score, "evidence": c.evidence} for c in head.causes],
+        "remedy": head.causes[0].remedy if head.causes else remedy(top),
+        "rollback_step": head.rollback_step,
+        "skip_batches": incident.skip_batches,
+        "rank": incident.rank,
+        "message": head.message,
+        "signal": head.signal,
+        "value": _jsonable(head.value),
+        "detected_step": incident.first_step,
+        "kinds": incident.kinds,
+    }
+
+
+def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConfig | None = None) -> PostmortemResult:
+    """Run the detector suite over ``records`` (any order; fed by step, then rank)."""
+    diagnoser = RunDiagnoser(config)
+    alerts: list[Finding] = []
+    ordered = sorted(records, key=lambda r: (r.step, r.rank))
+    for record in ordered:
+        alerts.extend(diagnoser.update(record))
+    alerts.extend(diagnoser.finish())
+    incidents = sorted(diagnoser.incidents, key=lambda i: (i.onset, i.rank))
+    return PostmortemResult(run_id=run_id, steps=len({r.step for r in records}),
+                            ranks=tuple(sorted({r.rank for r in records})), incidents=tuple(incidents),
+                            alerts=tuple(alerts))
+
+
+def run(source: str | Path, json_out: str | Path | None = None, html_out: str | Path | None = None, *,
+        run_id: str | None = None) -> PostmortemResult:
+    """Load ``source`` (CSV file or run directory), analyse it and write the requested reports.
+
+    ``run_id`` overrides the run id (default: the records' own, or the CSV file name).
+
+    Raises:
+        SourceError: the source cannot be read or holds no records.
+    """
+    source = Path(source)
+    if source.is_dir():
+        records = load_run_dir(source)
+    elif source.exists():
+        records = load_csv(source, run_id=run_id)
+    else:
+        raise SourceError(f"{source}: no such file or directory")
+    if not records:
+        raise SourceError(f"{source}: no records")
+    result = analyze(records, run_id or records[0].run_id)
+    if json_out is not None:
+        Path(json_out).write_text(result.to_json() + "\n", encoding="utf-8")
+    if html_out is not None:
+        from stability.report import render_html
+
+        Path(html_out).write_text(render_html(result, records), encoding="utf-8")
+    return result

@@ -1,0 +1,120 @@
+"""Test doubles shipped with the library: an in-memory record sink and a tiny GPT for CPU training tests.
+
+::
+
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="t"), sink).attach()
+    ...train...
+    capture.close()
+    losses = [r.get("loss") for r in sink.records]
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from stability.records import StepRecord
+
+__all__ = ["ListSink", "TinyGPT", "TinyGPTConfig"]
+
+
+class ListSink:
+    """A record sink that keeps every record in memory, in arrival order (thread-safe).
+
+    Args:
+        accept: what :meth:`put` returns (False imitates a full transport queue; the record is still kept).
+    """
+
+    def __init__(self, *, accept: bool = True) -> None:
+        self._records: list[StepRecord] = []
+        self._lock = threading.Lock()
+        self.accept = accept
+
+    def put(self, record: StepRecord) -> bool:
+        """Keep ``record``; return :attr:`accept`."""
+        with self._lock:
+            self._records.append(record)
+        return self.accept
+
+    @property
+    def records(self) -> list[StepRecord]:
+        """A copy of the records received so far."""
+        with self._lock:
+            return list(self._records)
+
+    def series(self, name: str) -> list[float]:
+        """Signal ``name`` over the records that have it, in step order."""
+        return [r.signals[name] for r in sorted(self.records, key=lambda r: r.step) if name in r.signals]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TinyGPTConfig:
+    """Size of :class:`TinyGPT`; the defaults are the 4-layer d=256 model of ``bench/bench_overhead.py``."""
+
+    vocab: int = 1024
+    block: int = 128
+    d_model: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    return_dict: bool = False
+    """Return ``{"logits": ...}`` instead of the logits tensor (so ``logit_z`` can be captured)."""
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: TinyGPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, d))  # type: ignore[no-any-return]
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: TinyGPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = _Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))  # type: ignore[no-any-return]
+
+
+class TinyGPT(nn.Module):
+    """A small GPT-2-style language model (pre-LayerNorm blocks, untied output head)."""
+
+    def __init__(self, cfg: TinyGPTConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg or TinyGPTConfig()
+        c = self.cfg
+        self.wte = nn.Embedding(c.vocab, c.d_model)
+        self.wpe = nn.Embedding(c.block, c.d_model)
+        self.h = nn.ModuleList(_Block(c) for _ in range(c.n_layer))
+        self.ln_f = nn.LayerNorm(c.d_model)
+        self.lm_head = nn.Linear(c.d_model, c.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return {"logits": logits} if self.cfg.return_dict else logits

@@ -1,0 +1,447 @@
+"""The training-side emitter: a bounded queue and one daemon thread that pipelines records into Redis Streams.
+
+``put`` only encodes and ``put_nowait``\\ s. The emitter thread batches up to ``batch_max`` records into one
+pipelined XADD round trip to the rank's stream. Each record gets its stream ID ``"<ms>-<step>"`` once, when it is
+queued, so resending it is harmless: Redis rejects an ID that is not above the stream top, which is counted as a
+duplicate. When a round trip fails, the batch and everything after it goes to the spool file; when Redis answers
+again (tried at most once per second, backing off to 5 s) the whole spool is replayed first, then removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+from redis import exceptions as redis_errors
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from stability import keys
+from stability.errors import ConfigError, RecordError
+from stability.records import StepRecord, check_run_id, encode
+from stability.transport._ids import IdClock
+from stability.transport._spool import Entry, Spool, spool_path
+
+__all__ = ["Emitter", "EmitterStats"]
+
+logger = logging.getLogger(__name__)
+
+RETRY_MIN_S = 1.0
+RETRY_MAX_S = 5.0
+_LOG_EVERY_S = 60.0
+_DUPLICATE = "equal or smaller than the target stream top item"
+_DOWN_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+"""Round-trip failures after which Redis is treated as down (a timeout means "maybe written")."""
+_RETRY_LATER_ERRORS: tuple[type[Exception], ...] = (
+    redis_errors.OutOfMemoryError,  # type: ignore[attr-defined]  # missing from the installed types-redis 4.6
+    redis_errors.ReadOnlyError,
+    redis_errors.TryAgainError,
+    redis_errors.ClusterDownError,
+)
+"""Per-command replies that mean "not now" rather than "never": the record is spooled and retried."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmitterStats:
+    """Counters of one emitter (a consistent snapshot).
+
+    Every accepted record (``queued``) ends up ``sent``, ``spooled``, a duplicate or an error; every spooled record
+    is later ``replayed``, a duplicate or an error (or stays in the spool if Redis never comes back).
+    """
+
+    queued: int
+    """Records accepted by ``put``."""
+    sent: int
+    """Records added to Redis directly."""
+    spooled: int
+    """Records written to the spool file."""
+    replayed: int
+    """Spooled records added to Redis by a replay."""
+    dropped: int
+    """Records refused by ``put``: queue full, emitter closed, or not encodable."""
+    errors: int
+    """Records lost: refused by Redis for good, corrupt spool frames, spool writes that failed."""
+    duplicates: int
+    """XADDs rejected because Redis already had the entry (a resend after a timeout or a repeated replay)."""
+
+
+class _Outcome:
+    """Result of one pipelined XADD batch."""
+
+    def __init__(self) -> None:
+        self.added = 0
+        self.duplicates = 0
+        self.rejected = 0
+        self.retry_from: int | None = None
+        """Index of the first entry to spool and retry later (Redis said "not now"), or None."""
+
+
+class Emitter:
+    """Background emitter of one rank's step records to Redis Streams, with a local spool for outages.
+
+    Args:
+        redis_url: ``redis://``, ``rediss://``, ``unix://`` (or kombu's ``redis+socket://``) URL.
+        run_id: Id of the training run.
+        spool_dir: Directory of the spool file ``spool-rank<rank>.bin`` (created when first needed). A spool left
+            there by an earlier process is replayed on the first connection.
+        rank: Global rank of this process.
+        queue_size: Bound of the queue; ``put`` drops records beyond it.
+        timeout_s: Socket (connect and read) timeout of every Redis call.
+        batch_max: Most records per pipelined round trip.
+        meta: Run metadata written to the run's meta hash on the first connection.
+
+    Raises:
+        ConfigError: an argument is out of range or the URL cannot be parsed.
+    """
+
+    def __init__(
+        self,
+        *,
+        redis_url: str,
+        run_id: str,
+        spool_dir: Path,
+        rank: int = 0,
+        queue_size: int = 10_000,
+        timeout_s: float = 0.5,
+        batch_max: int = 100,
+        meta: Mapping[str, str] | None = None,
+    ) -> None:
+        try:
+            check_run_id(run_id)
+        except RecordError as exc:
+            raise ConfigError(str(exc)) from None
+        _check_ranges(rank=rank, queue_size=queue_size, timeout_s=timeout_s, batch_max=batch_max)
+        try:
+            self._client = redis.Redis.from_url(
+                _redis_py_url(redis_url),
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+            )
+        except ValueError as exc:
+            raise ConfigError(f"redis_url {_safe_url(redis_url)!r} is invalid: {exc}") from None
+        self.run_id = run_id
+        self.rank = rank
+        self._url = _safe_url(redis_url)
+        self._stream_key = keys.records(run_id, rank)
+        self._meta: dict[str | bytes, str | bytes | int | float] = {k: v for k, v in (meta or {}).items()}
+        self._started = f"{time.time():.3f}"
+        self._batch_max = batch_max
+        self._spool = Spool(spool_path(spool_dir, rank))
+        self._queue: queue.Queue[Entry] = queue.Queue(maxsize=queue_size)
+        self._lock = threading.Lock()
+        self._done_cond = threading.Condition(self._lock)
+        self._ids = IdClock()
+        self._counts = dict.fromkeys(("queued", "sent", "spooled", "replayed", "dropped", "errors", "duplicates"), 0)
+        self._handled = 0
+        self._closed = False
+        self._stop = threading.Event()
+        self._up = False
+        self._was_down = False
+        self._registered = False
+        self._retry_at = 0.0
+        self._backoff = RETRY_MIN_S
+        self._log_state: dict[str, tuple[float, int]] = {}
+        self._thread = threading.Thread(target=self._run, name=f"stability-emitter-rank{rank}", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------------------- any thread
+
+    @property
+    def spool_path(self) -> Path:
+        """The spool file of this emitter."""
+        return self._spool.path
+
+    @property
+    def stats(self) -> EmitterStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            return EmitterStats(**self._counts)
+
+    def put(self, record: StepRecord) -> bool:
+        """Queue ``record`` for sending. Never blocks, never raises.
+
+        Returns:
+            False if the record was dropped (queue full, emitter closed, or the record cannot be encoded).
+        """
+        try:
+            payload = encode(record)
+            with self._lock:
+                if self._closed:
+                    self._counts["dropped"] += 1
+                    return False
+                entry = (self._ids.next(record.wall_time, record.step), payload)
+                try:
+                    self._queue.put_nowait(entry)
+                except queue.Full:
+                    self._counts["dropped"] += 1
+                    return False
+                self._counts["queued"] += 1
+                return True
+        except Exception as exc:  # a bad record must never reach into training
+            with self._lock:
+                self._counts["dropped"] += 1
+            self._log_limited("encode", logging.WARNING, "record dropped, cannot be encoded: %s", exc)
+            return False
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every record queued so far is in Redis or in the spool.
+
+        Returns:
+            False if that did not happen within ``timeout`` seconds.
+        """
+        with self._done_cond:
+            target = self._counts["queued"]
+            return self._done_cond.wait_for(lambda: self._handled >= target, timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Flush, replay the spool if Redis is up, mark this rank ended in the run's meta hash. Idempotent.
+
+        Records ``put`` after ``close`` are dropped. If Redis is down, the spool file stays for a later replay
+        (or the post-mortem).
+        """
+        with self._lock:
+            self._closed = True
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning(
+                "emitter of rank %d did not finish within %.1fs; unsent records stay queued", self.rank, timeout
+            )
+
+    def __enter__(self) -> Emitter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------------------- emitter thread
+
+    def _run(self) -> None:
+        self._guarded(self._connect)
+        while not (self._stop.is_set() and self._queue.empty()):
+            batch = self._next_batch()
+            if not self._up and time.monotonic() >= self._retry_at:
+                self._guarded(self._connect)
+            if batch:
+                self._deliver(batch)
+        if not self._up:
+            self._guarded(self._connect)
+        self._guarded(self._mark_ended)
+        self._guarded(self._client.close)
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        """Run ``step``; an unexpected exception is logged (rate-limited), never raised out of the thread."""
+        try:
+            step()
+        except Exception as exc:
+            self._log_limited("bug", logging.ERROR, "emitter of rank %d: unexpected %r", self.rank, exc)
+
+    def _next_batch(self) -> list[Entry]:
+        try:
+            batch = [self._queue.get(timeout=0.05 if self._stop.is_set() else 0.2)]
+        except queue.Empty:
+            return []
+        while len(batch) < self._batch_max:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _deliver(self, batch: list[Entry]) -> None:
+        try:
+            if self._up:
+                self._send_live(batch)
+            else:
+                self._to_spool(batch)
+        except Exception as exc:  # a bug here must not lose the batch silently
+            self._log_limited("bug", logging.ERROR, "emitter of rank %d: unexpected %r; batch spooled", self.rank, exc)
+            self._guarded(lambda: self._to_spool(batch))
+        finally:
+            with self._done_cond:
+                self._handled += len(batch)
+                self._done_cond.notify_all()
+
+    def _send_live(self, batch: list[Entry]) -> None:
+        try:
+            outcome = self._xadd(batch)
+        except _DOWN_ERRORS as exc:
+            self._went_down(exc)
+            self._to_spool(batch)
+            return
+        self._count(sent=outcome.added, duplicates=outcome.duplicates, errors=outcome.rejected)
+        if outcome.duplicates:  # live records are new: the stream top is ahead of this emitter's clock
+            self._log_limited(
+                "ahead",
+                logging.WARNING,
+                "stream %s already has entries after %s (an earlier process, or a clock behind it); %d records "
+                "were rejected as duplicates",
+                self._stream_key,
+                batch[0][0],
+                outcome.duplicates,
+            )
+        if outcome.retry_from is not None:
+            self._went_down(RuntimeError("Redis refused writes for now"))
+            self._to_spool(batch[outcome.retry_from :])
+
+    def _xadd(self, entries: Sequence[Entry]) -> _Outcome:
+        """One pipelined round trip of XADDs; raises the ``_DOWN_ERRORS`` of a failed round trip."""
+        pipe = self._client.pipeline(transaction=False)
+        for entry_id, payload in entries:
+            pipe.xadd(self._stream_key, {"r": payload}, id=entry_id)
+        results = pipe.execute(raise_on_error=False)
+        outcome = _Outcome()
+        for index, result in enumerate(results):
+            if not isinstance(result, Exception):
+                outcome.added += 1
+            elif _DUPLICATE in str(result):
+                outcome.duplicates += 1
+            elif isinstance(result, _RETRY_LATER_ERRORS):
+                outcome.retry_from = index
+                break
+            else:
+                outcome.rejected += 1
+                self._log_limited("rejected", logging.ERROR, "Redis rejected record %s: %s", entries[index][0], result)
+        return outcome
+
+    def _to_spool(self, batch: Sequence[Entry]) -> None:
+        try:
+            self._spool.append(batch)
+        except OSError as exc:
+            self._count(errors=len(batch))
+            self._log_limited("spool", logging.ERROR, "cannot write spool %s, records lost: %s", self._spool.path, exc)
+            return
+        self._count(spooled=len(batch))
+
+    def _connect(self) -> None:
+        """Try Redis now: register the run once, replay the spool, then mark Redis up."""
+        try:
+            self._client.ping()
+            if not self._registered:
+                self._register()
+            if self._spool.has_data() and not self._replay():
+                return
+        except (*_DOWN_ERRORS, redis.RedisError) as exc:
+            self._went_down(exc)
+            return
+        if self._was_down:
+            logger.info("Redis at %s reachable again; rank %d sends live", self._url, self.rank)
+        self._up = True
+        self._was_down = False
+        self._backoff = RETRY_MIN_S
+
+    def _register(self) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.sadd(keys.RUNS, self.run_id)
+        pipe.sadd(keys.ranks(self.run_id), self.rank)
+        if self._meta:
+            pipe.hset(keys.meta(self.run_id), mapping=self._meta)
+        pipe.hsetnx(keys.meta(self.run_id), "started", self._started)
+        pipe.execute()
+        self._registered = True
+
+    def _replay(self) -> bool:
+        """Send the whole spool in order, then remove it. False if Redis said "not now" part-way."""
+        stream, reader = self._spool.open_reader()
+        with stream:
+            chunk: list[Entry] = []
+            for entry in reader:
+                chunk.append(entry)
+                if len(chunk) >= self._batch_max and not self._replay_chunk(chunk):
+                    return False
+            if chunk and not self._replay_chunk(chunk):
+                return False
+        self._count(errors=reader.corrupt)
+        self._spool.remove()
+        logger.info("rank %d: spool %s replayed", self.rank, self._spool.path)
+        return True
+
+    def _replay_chunk(self, chunk: list[Entry]) -> bool:
+        outcome = self._xadd(chunk)
+        self._count(replayed=outcome.added, duplicates=outcome.duplicates, errors=outcome.rejected)
+        chunk.clear()
+        if outcome.retry_from is not None:
+            self._went_down(RuntimeError("Redis refused writes for now"))
+            return False
+        return True
+
+    def _went_down(self, exc: BaseException) -> None:
+        self._up = False
+        self._was_down = True
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(2 * self._backoff, RETRY_MAX_S)
+        self._log_limited(
+            "down",
+            logging.WARNING,
+            "Redis at %s unavailable (%s: %s); spooling to %s",
+            self._url,
+            type(exc).__name__,
+            exc,
+            self._spool.path,
+        )
+
+    def _mark_ended(self) -> None:
+        if not self._up:
+            return
+        try:
+            self._client.hset(keys.meta(self.run_id), f"ended:{self.rank}", f"{time.time():.3f}")
+        except (*_DOWN_ERRORS, redis.RedisError) as exc:
+            self._log_limited("ended", logging.WARNING, "could not mark rank %d ended: %s", self.rank, exc)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def _log_limited(self, kind: str, level: int, msg: str, *args: Any) -> None:
+        """Log the first event of ``kind``, then at most one per minute with the number suppressed."""
+        now = time.monotonic()
+        with self._lock:
+            last, suppressed = self._log_state.get(kind, (-math.inf, 0))
+            if now - last < _LOG_EVERY_S:
+                self._log_state[kind] = (last, suppressed + 1)
+                return
+            self._log_state[kind] = (now, 0)
+        if suppressed:
+            msg += f" ({suppressed} similar messages suppressed)"
+        logger.log(level, msg, *args)
+
+
+def _check_ranges(*, rank: int, queue_size: int, timeout_s: float, batch_max: int) -> None:
+    if rank < 0:
+        raise ConfigError(f"rank must be >= 0, got {rank}")
+    if queue_size < 1:
+        raise ConfigError(f"queue_size must be >= 1, got {queue_size}")
+    if not 0 < timeout_s <= 10:
+        raise ConfigError(f"timeout_s must be in (0, 10], got {timeout_s}")
+    if batch_max < 1:
+        raise ConfigError(f"batch_max must be >= 1, got {batch_max}")
+
+
+def _redis_py_url(url: str) -> str:
+    """Accept kombu's ``redis+socket://<path>`` (what Celery configs use) as redis-py's ``unix://<path>``."""
+    prefix = "redis+socket://"
+    return "unix://" + url[len(prefix) :] if url.startswith(prefix) else url
+
+
+def _safe_url(url: str) -> str:
+    """``url`` without its password, for logs and messages."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return parts._replace(netloc=user + netloc).geturl()

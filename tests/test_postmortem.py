@@ -1,0 +1,142 @@
+"""Post-mortem: CSV loading edge cases, run-directory loading, analysis JSON and reports."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stability.errors import SourceError
+from stability.postmortem import analyze, load_csv, load_run_dir, run
+from stability.records import StepRecord, encode
+from stability.report import render_html, render_text
+from stability.transport._spool import Spool
+
+
+def write(tmp_path: Path, text: str, name: str = "run.csv") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_csv_values_spellings_absent_cells_text_columns_and_sorting(tmp_path: Path) -> None:
+    path = write(tmp_path, "step,loss,grad_norm,episode,note,rank,batch\n"
+                           "3,nan,1e-3,a,x,0,b3\n"
+                           "1,NAN,,a,,0,\n"
+                           "2,Infinity,-inf,a,y,0,b2\n"
+                           "0,7.343709E+00,inf,a,,1,\n"
+                           "1,2.5,0.5,a,,1,\n")
+    recs = load_csv(path)
+    assert [(r.rank, r.step) for r in recs] == [(0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
+    r01, r02, r03, r10, _ = recs
+    assert math.isnan(r01.signals["loss"]) and "grad_norm" not in r01.signals and r01.batch is None
+    assert r02.signals["loss"] == math.inf and r02.signals["grad_norm"] == -math.inf and r02.batch == "b2"
+    assert r03.signals["grad_norm"] == 1e-3 and r10.signals["loss"] == 7.343709
+    assert set(r03.signals) == {"loss", "grad_norm"}  # episode / note are ignored
+    assert r03.run_id == "run"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("iteration,loss\n1,2.0\n", r"line 1: no 'step' column \(columns: iteration, loss\)"),
+    ("step,loss\n1,2.0\n2,abc\n", r"line 3, column 'loss': 'abc' is not a number"),
+    ("step,loss\n1,2.0\nx,3.0\n", r"line 3, column 'step': 'x' is not an integer"),
+    ("step,loss\n1,2.0\n,3.0\n", r"line 3, column 'step': is empty"),
+    ("step,loss\n-4,2.0\n", r"line 2, column 'step': -4 is negative"),
+    ("step,loss\n1.5,2.0\n", r"line 2, column 'step': '1.5' is not an integer"),
+    ("step,rank,loss\n1,r0,2.0\n", r"line 2, column 'rank': 'r0' is not an integer"),
+    ("", r"empty"),
+    ("step,loss,loss\n1,2,3\n", r"duplicate column"),
+])
+def test_csv_errors_name_file_line_and_column(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(SourceError, match=message) as info:
+        load_csv(path)
+    assert str(path) in str(info.value)
+
+
+def test_csv_rename_and_step_column(tmp_path: Path) -> None:
+    path = write(tmp_path, "log_index,train_loss\n2,1.5\n1,1.25\n")
+    recs = load_csv(path, step_column="log_index", rename={"train_loss": "loss"})
+    assert [(r.step, r.signals) for r in recs] == [(1, {"loss": 1.25}), (2, {"loss": 1.5})]
+
+
+def _spiky_csv(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    rows = ["step,loss,grad_norm,batch"]
+    for step in range(400):
+        loss = 3.0 * math.exp(rng.normal(0, 0.02)) * (2.0 if 300 <= step < 303 else 1.0)
+        rows.append(f"{step},{loss:.6f},{math.exp(rng.normal(0, 0.1)):.4f},batch-{step}")
+    return write(tmp_path, "\n".join(rows) + "\n", "spiky.csv")
+
+
+def test_analyze_json_shape_and_reports(tmp_path: Path) -> None:
+    path = _spiky_csv(tmp_path)
+    result = run(path, tmp_path / "out.json", tmp_path / "out.html")
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["run_id"] == "spiky" and data["steps"] == 400
+    [event] = data["events"]
+    assert {k: event[k] for k in ("kind", "step", "onset", "end", "severity")} == {
+        "kind": "loss_spike", "step": 301, "onset": 300, "end": 302, "severity": "error"}
+    assert event["causes"][0]["cause"] == "bad_batch" and isinstance(event["causes"][0]["score"], float)
+    assert event["rollback_step"] == 299 and event["skip_batches"] == ["batch-300", "batch-301", "batch-302"]
+    assert event["remedy"] and event["rank"] == 0 and event["signal"] == "loss"
+    text = render_text(result)
+    assert "loss_spike" in text and "bad_batch" in text and "rollback step: 299" in text
+    page = (tmp_path / "out.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "<style>" in page
+    assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "") and "https://" not in page
+    assert "<script" not in page and "src=" not in page
+
+
+def test_json_is_strict_with_nonfinite_values() -> None:
+    recs = [StepRecord(run_id="r", step=s, signals={"loss": 2.0 if s != 5 else math.nan}) for s in range(10)]
+    result = analyze(recs, "r")
+    data = json.loads(result.to_json())
+    assert data["events"][0]["kind"] == "nan" and data["events"][0]["value"] == "nan"
+    assert "no instability" in render_text(analyze(recs[:4], "r"))
+
+
+def _archive(run_dir: Path, steps: range, rank: int = 0) -> None:
+    (run_dir / "archive").mkdir(parents=True, exist_ok=True)
+    table = pa.table({
+        "run_id": ["demo"] * len(steps), "rank": [rank] * len(steps), "step": list(steps),
+        "wall_time": [float(s) for s in steps], "host": ["h"] * len(steps), "batch": [None] * len(steps),
+        "entry_id": [f"{s + 1}-0" for s in steps],
+        "loss": [3.0 if s != 60 else None for s in steps], "grad_norm/h.0": [1.0] * len(steps),
+    })
+    pq.write_table(table, run_dir / "archive" / f"part-{steps.start}.parquet")
+
+
+def test_load_run_dir_merges_archive_and_spool(tmp_path: Path) -> None:
+    run_dir = tmp_path / "demo"
+    _archive(run_dir, range(0, 100))
+    (run_dir / "spool").mkdir()
+    spool = Spool(run_dir / "spool" / "spool-rank0.bin")
+    spool.append([(f"{s + 1}-0", encode(StepRecord(run_id="demo", step=s, signals={"loss": 9.0 if s < 100 else 3.0})))
+                  for s in range(95, 130)])
+    recs = load_run_dir(run_dir)
+    assert [r.step for r in recs] == list(range(130))
+    assert recs[96].signals["loss"] == 3.0  # the archive wins for duplicated steps
+    assert "loss" not in recs[60].signals and recs[60].signals["grad_norm/h.0"] == 1.0
+    assert recs[120].signals == {"loss": 3.0}
+    result = run(run_dir)
+    assert result.run_id == "demo" and result.steps == 130
+
+
+def test_empty_run_dir_and_missing_source_raise(tmp_path: Path) -> None:
+    (tmp_path / "empty" / "archive").mkdir(parents=True)
+    with pytest.raises(SourceError, match="no records"):
+        load_run_dir(tmp_path / "empty")
+    with pytest.raises(SourceError, match="no such file"):
+        run(tmp_path / "missing.csv")
+
+
+def test_render_html_escapes_text() -> None:
+    recs = [StepRecord(run_id="r", step=s, signals={"loss": 2.0 if s != 5 else math.inf}) for s in range(10)]
+    page = render_html(analyze(recs, "r<x>"), recs)
+    assert "r&lt;x&gt;" in page and "r<x>" not in page

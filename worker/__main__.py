@@ -1,0 +1,46 @@
+"""``stability worker`` / ``python -m stability.worker``: run a Celery worker with the embedded beat.
+
+Defaults: ``--pool solo`` (one process; the W&B sink keeps one diagnosis run per training run in it), beat on
+(``-B``; run exactly one beat per broker, so pass ``--no-beat`` to additional workers), INFO logging, no
+gossip/mingle/heartbeat traffic. Unknown arguments go to ``celery worker`` unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main", "worker_argv"]
+
+
+def worker_argv(argv: list[str] | None = None) -> list[str]:
+    """The ``celery`` argument list that :func:`main` runs for ``argv``."""
+    parser = argparse.ArgumentParser(prog="stability worker", description=__doc__)
+    parser.add_argument("--pool", choices=("solo", "prefork"), default="solo", help="worker pool (default solo)")
+    parser.add_argument("--concurrency", type=int, default=None, help="prefork processes (default: CPU count)")
+    parser.add_argument("--loglevel", default="INFO", help="log level (default INFO)")
+    parser.add_argument("--no-beat", action="store_true", help="do not run the embedded beat (sweep) scheduler")
+    args, extra = parser.parse_known_args(argv)
+    out = ["worker", "--pool", args.pool, "--loglevel", args.loglevel]
+    out += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+    if not args.no_beat:
+        out.append("-B")
+    if args.concurrency is not None:
+        out += ["--concurrency", str(args.concurrency)]
+    return out + extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the worker until it is stopped; return its exit status."""
+    try:
+        cmd = worker_argv(sys.argv[1:] if argv is None else argv)
+        from stability.worker.app import app
+
+        app.worker_main(cmd)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The Celery app of the stability worker.
+
+The broker is the Redis that carries the records (``STABILITY_REDIS_URL``; a ``unix://`` socket URL is turned
+into kombu's ``redis+socket://`` form). Tasks are only triggers, the data stays in Redis Streams, so the app
+needs no result backend. Settings follow service-notes §3: late acks, re-queue when a worker process dies,
+one message prefetched per process, JSON only, and a beat schedule that runs ``sweep`` every
+``STABILITY_SWEEP_S`` seconds (default 1.0).
+
+Environment:
+
+==========================  ==========================  ===============================================
+variable                    default                     meaning
+==========================  ==========================  ===============================================
+``STABILITY_REDIS_URL``     ``redis://127.0.0.1:6379/0``  Redis with the record streams (also the broker)
+``STABILITY_SWEEP_S``       ``1.0``                     seconds between sweeps over the active runs
+``STABILITY_BATCH``         ``500``                     entries read per rank and batch
+``STABILITY_LEASE_MS``      ``30000``                   per-run drain lease (and abandoned-entry idle time)
+``STABILITY_DRAIN_S``       ``20``                      time budget of one drain task
+==========================  ==========================  ===============================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from celery import Celery
+
+from stability.errors import ConfigError
+
+__all__ = ["WorkerSettings", "app", "broker_url"]
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def broker_url(redis_url: str) -> str:
+    """The kombu broker URL of a redis-py URL (``unix://path`` becomes ``redis+socket://path``)."""
+    if redis_url.startswith("unix://"):
+        return "redis+socket://" + redis_url[len("unix://") :]
+    return redis_url
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerSettings:
+    """Worker settings, read from the environment by :meth:`from_env`."""
+
+    redis_url: str = DEFAULT_REDIS_URL
+    """redis-py URL of the Redis with the streams (``redis://``, ``rediss://``, ``unix://``)."""
+    sweep_s: float = 1.0
+    """Seconds between beat sweeps."""
+    batch: int = 500
+    """Entries read per rank and batch."""
+    lease_ms: int = 30_000
+    """Per-run lease; a worker that dies holding it blocks that run for at most this long."""
+    drain_s: float = 20.0
+    """Time budget of one drain task."""
+
+    def __post_init__(self) -> None:
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://", "redis+socket://")):
+            raise ConfigError(f"STABILITY_REDIS_URL={self.redis_url!r} must be a redis://, rediss:// or unix:// URL")
+        if not self.sweep_s > 0:
+            raise ConfigError(f"STABILITY_SWEEP_S must be > 0, got {self.sweep_s}")
+        if self.batch < 1:
+            raise ConfigError(f"STABILITY_BATCH must be >= 1, got {self.batch}")
+        if self.lease_ms < 100:
+            raise ConfigError(f"STABILITY_LEASE_MS must be >= 100, got {self.lease_ms}")
+        if not self.drain_s > 0:
+            raise ConfigError(f"STABILITY_DRAIN_S must be > 0, got {self.drain_s}")
+
+    @property
+    def client_url(self) -> str:
+        """The URL for redis-py (``redis+socket://path`` becomes ``unix://path``)."""
+        if self.redis_url.startswith("redis+socket://"):
+            return "unix://" + self.redis_url[len("redis+socket://") :]
+        return self.redis_url
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerSettings:
+        """Settings from ``STABILITY_*`` variables (unset or empty: the default)."""
+        env = os.environ if env is None else env
+
+        def get(name: str, kind: type[int] | type[float], default: float) -> float:
+            raw = env.get(name, "")
+            if raw == "":
+                return default
+            try:
+                return kind(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+
+        return cls(
+            redis_url=env.get("STABILITY_REDIS_URL") or DEFAULT_REDIS_URL,
+            sweep_s=get("STABILITY_SWEEP_S", float, 1.0),
+            batch=int(get("STABILITY_BATCH", int, 500)),
+            lease_ms=int(get("STABILITY_LEASE_MS", int, 30_000)),
+            drain_s=get("STABILITY_DRAIN_S", float, 20.0),
+        )
+
+
+settings = WorkerSettings.from_env()
+
+app = Celery("stability", include=["stability.worker.tasks"])
+app.conf.update(
+    broker_url=broker_url(settings.redis_url),
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={"visibility_timeout": 3600, "socket_timeout": 5},
+    task_ignore_result=True,
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    task_serializer="json",
+    accept_content=["json"],
+    worker_prefetch_multiplier=1,
+    worker_hijack_root_logger=False,
+    beat_scheduler="celery.beat:Scheduler",  # in memory: no celerybeat-schedule file in the working directory
+    beat_schedule={"sweep": {"task": "stability.sweep", "schedule": settings.sweep_s}},
+)
