@@ -9,6 +9,8 @@ Per run ``R`` (all keys share the ``stability:{R}`` hash tag, so a Redis Cluster
 * ``stability:{R}:state``        detector state (msgpack), written atomically with the XACKs
 * ``stability:{R}:lock``         per-run lease held by the worker that drains the run
 * ``stability:{R}:errors``       stream of rejected (malformed) entries with the reason
+* ``stability:{R}:findings:seen`` set of finding keys ``rank:kind:step`` already published (dedupe on reprocessing)
+* ``stability:{R}:trigger``      marker: a drain task for the run is already queued
 
 Global: ``stability:runs`` (set of active run ids).
 """
@@ -58,3 +60,13 @@ def lock(run_id: str) -> str:
 def errors(run_id: str) -> str:
     """Stream of rejected entries."""
     return f"{_run(run_id)}:errors"
+
+
+def findings_seen(run_id: str) -> str:
+    """Set of finding keys already published (reprocessing after a crash adds nothing twice)."""
+    return f"{findings(run_id)}:seen"
+
+
+def trigger(run_id: str) -> str:
+    """Marker that a drain task for the run is queued (at most one at a time)."""
+    return f"{_run(run_id)}:trigger"

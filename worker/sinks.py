@@ -127,7 +127,7 @@ return added
 
 def findings_seen_key(run_id: str) -> str:
     """Set of dedupe keys of the findings already in ``keys.findings(run_id)`` (same hash slot)."""
-    return keys.findings(run_id) + ":seen"
+    return keys.findings_seen(run_id)
 
 
 class RedisFindingsSink:

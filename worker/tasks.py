@@ -40,7 +40,7 @@ def sinks() -> list[Sink]:
 
 def trigger_key(run_id: str) -> str:
     """Marker of a queued drain trigger of ``run_id``."""
-    return keys.lock(run_id) + ":trigger"
+    return keys.trigger(run_id)
 
 
 @app.task(name="stability.sweep")  # type: ignore[untyped-decorator]

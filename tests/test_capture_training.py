@@ -1,0 +1,315 @@
+"""Real CPU training loops with a Capture attached; every recorded value is checked against a reference the loop
+computes itself (plain torch: ``get_total_norm``, parameter snapshots, the optimizer state)."""
+
+from __future__ import annotations
+
+import math
+import socket
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from stability.config import WatchConfig
+from stability.hooks.capture import Capture
+from stability.testing import ListSink, TinyGPT, TinyGPTConfig
+
+VOCAB = 64
+
+
+def make_gpt(*, return_dict: bool = False) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(TinyGPTConfig(vocab=VOCAB, block=16, d_model=32, n_layer=2, n_head=2, return_dict=return_dict))
+
+
+def tokens(step: int, rows: int = 4) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (rows, 17), generator=torch.Generator().manual_seed(step))
+
+
+def logits_of(out: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+    return out["logits"] if isinstance(out, dict) else out
+
+
+def lm_loss(model: nn.Module, data: torch.Tensor) -> torch.Tensor:
+    logits = logits_of(model(data[:, :-1]))
+    return F.cross_entropy(logits.reshape(-1, VOCAB), data[:, 1:].reshape(-1))
+
+
+def by_module(model: nn.Module, value) -> dict[str, float]:
+    """Reference per-module L2 norm of ``value(param)`` over the parameters each module owns directly."""
+    out = {}
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if own:
+            out[name or "root"] = math.sqrt(sum(float(value(p).detach().double().norm()) ** 2 for p in own))
+    return out
+
+
+def per_module(record, quantity: str) -> dict[str, float]:
+    prefix = quantity + "/"
+    return {k[len(prefix):]: v for k, v in record.signals.items() if k.startswith(prefix)}
+
+
+def assert_close(got: dict[str, float], want: dict[str, float], rel: float = 1e-5) -> None:
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=rel), name
+
+
+def test_auto_mode_plain_loop_records_loss_lr_and_grad_norms_before_clipping():
+    model = make_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="auto-1", stats_every=0), sink).attach()
+    want = []
+    try:
+        for step in range(5):  # the loop itself is unchanged; the reference lines only read values
+            loss = lm_loss(model, tokens(step))
+            loss.backward()
+            total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            want.append((loss.item(), opt.param_groups[0]["lr"], total.item(), by_module(model, lambda p: p.grad)))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    finally:
+        capture.close()
+    assert capture.errors == 0
+    records = sink.records
+    assert [r.step for r in records] == list(range(5)) and capture.step == 5
+    for record, (loss, lr, total, modules) in zip(records, want, strict=True):
+        assert (record.run_id, record.rank, record.host) == ("auto-1", 0, socket.gethostname())
+        assert record.get("loss") == pytest.approx(loss, rel=1e-6)
+        assert record.get("lr") == pytest.approx(lr, rel=1e-12)
+        assert total > 0.1  # clipped every step, so an after-clip measurement would read 0.1
+        assert record.get("grad_norm") == pytest.approx(total, rel=1e-5)
+        assert record.get("nonfinite_grads") == 0
+        assert_close(per_module(record, "grad_norm"), modules)
+        assert "h.0.attn.c_attn" in per_module(record, "grad_norm")
+        assert not per_module(record, "param_norm")  # stats_every=0
+    assert [r.get("lr") for r in records] == sorted((r.get("lr") for r in records), reverse=True)
+    assert all(a.wall_time <= b.wall_time for a, b in zip(records, records[1:]))
+
+
+def test_gradient_accumulation_gives_one_record_per_optimizer_step_with_the_mean_loss():
+    """The recorded loss is the mean of the tensors backward() ran on, here ``micro_loss / 4``."""
+    model = make_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="accum", stats_every=0, layer_every=0), sink).attach()
+    want = []
+    try:
+        for step in range(3):
+            backward_values = []
+            for micro in range(4):
+                loss = lm_loss(model, tokens(100 * step + micro)) / 4
+                backward_values.append(loss.item())
+                loss.backward()
+            want.append(sum(backward_values) / 4)
+            opt.step()
+            opt.zero_grad()
+    finally:
+        capture.close()
+    records = sink.records
+    assert [r.step for r in records] == [0, 1, 2]
+    assert [r.get("loss") for r in records] == pytest.approx(want, rel=1e-6)
+    assert not per_module(records[0], "grad_norm")  # layer_every=0
+
+
+def test_grad_scaler_on_cpu_unscales_the_loss_and_records_scale_and_skipped_steps():
+    """``torch.amp.GradScaler("cpu")`` runs with fp32 on the CPU, so the real scaler is used (no stand-in)."""
+    model = make_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="amp", stats_every=0), sink).attach()
+    losses, scales, norms = [], [], []
+    try:
+        for step in range(4):
+            loss = lm_loss(model, tokens(step))
+            if step == 2:
+                loss = loss * float("inf")  # overflow: the scaler must skip this step
+            losses.append(loss.item())
+            scales.append(scaler.get_scale())
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    finally:
+        capture.close()
+    assert capture.errors == 0
+    records = sink.records
+    assert [r.step for r in records] == [0, 1, 2, 3]
+    assert scales == [1024.0, 1024.0, 1024.0, 512.0]
+    assert [r.get("loss_scale") for r in records] == scales
+    assert [r.get("skipped") for r in records] == [0.0, 0.0, 1.0, 0.0]
+    for i in (0, 1, 3):
+        assert records[i].get("loss") == pytest.approx(losses[i], rel=1e-6)  # true loss, not loss * scale
+        assert records[i].get("grad_norm") == pytest.approx(norms[i], rel=1e-5)
+    assert math.isinf(records[2].get("loss"))
+    assert not math.isfinite(records[2].get("grad_norm"))
+    assert records[2].get("nonfinite_grads") > 0
+
+
+def test_sampled_statistics_and_activation_hooks_exist_only_on_sampled_steps():
+    model = make_gpt(return_dict=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sink = ListSink()
+    config = WatchConfig(run_id="sampled", stats_every=3, max_act_modules=4)
+    capture = Capture(config, sink).attach(model, opt)
+    hooks, logit_z = [], {}
+    try:
+        for step in range(7):
+            hooks.append(sum(len(m._forward_hooks) for m in model.modules()))
+            data = tokens(step)
+            logits = logits_of(model(data[:, :-1]))
+            logit_z[step] = torch.logsumexp(logits.detach(), -1).mean().item()
+            F.cross_entropy(logits.reshape(-1, VOCAB), data[:, 1:].reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        capture.close()
+    assert capture.errors == 0
+    assert hooks == [5, 0, 0, 5, 0, 0, 5]  # 4 activation hooks + 1 output hook (logit_z), only on sampled steps
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+    records = sink.records
+    assert len(records) == 7
+    for record in records:
+        sampled = record.step % 3 == 0
+        for quantity in ("param_norm", "update_ratio", "adam_v_ratio", "act_absmax", "act_rms"):
+            assert bool(per_module(record, quantity)) == sampled, (record.step, quantity)
+        assert ("logit_z" in record.signals) == sampled
+        assert per_module(record, "grad_norm")  # layer_every=1: every step
+        if sampled:
+            assert len(per_module(record, "act_rms")) == 4
+            assert record.get("logit_z") == pytest.approx(logit_z[record.step], rel=1e-5)
+
+
+def test_update_ratio_param_norm_adam_and_activation_stats_match_references():
+    model = make_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="ratios", stats_every=1, max_act_modules=100), sink).attach(model, opt)
+    outputs: dict[str, torch.Tensor] = {}
+    names = {m: n for n, m in model.named_modules()}
+    mine = [m.register_forward_hook(lambda m, a, o: outputs.__setitem__(names[m], o.detach().clone()))
+            for m in model.modules() if list(m.parameters(recurse=False))]
+    want = []
+    try:
+        for step in range(3):
+            outputs.clear()
+            lm_loss(model, tokens(step)).backward()
+            before = {p: p.detach().clone() for p in model.parameters()}
+            opt.step()
+            delta = by_module(model, lambda p: p.detach() - before[p])
+            size = by_module(model, lambda p: before[p])
+            adam = {}
+            for name, module in model.named_modules():
+                own = list(module.parameters(recurse=False))
+                if own:
+                    g2 = sum(float(p.grad.double().square().sum()) for p in own)
+                    v = sum(float(opt.state[p]["exp_avg_sq"].double().sum()) for p in own)
+                    adam[name] = g2 / v
+            acts = {n: (float(o.abs().max()), math.sqrt(float(o.double().square().mean()))) for n, o in outputs.items()}
+            want.append(({n: delta[n] / size[n] for n in delta}, by_module(model, lambda p: p), adam, acts))
+            opt.zero_grad()
+    finally:
+        capture.close()
+        for handle in mine:
+            handle.remove()
+    assert capture.errors == 0
+    for record, (ratio, norm, adam, acts) in zip(sink.records, want, strict=True):
+        assert_close(per_module(record, "update_ratio"), ratio, rel=1e-4)
+        assert_close(per_module(record, "param_norm"), norm)
+        assert_close(per_module(record, "adam_v_ratio"), adam, rel=1e-4)
+        assert_close(per_module(record, "act_absmax"), {n: a for n, (a, _) in acts.items()})
+        assert_close(per_module(record, "act_rms"), {n: r for n, (_, r) in acts.items()}, rel=1e-4)
+
+
+def test_nan_in_a_batch_shows_as_nonfinite_loss_grad_norm_and_count():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="nan", stats_every=0), sink).attach()
+    counts = []
+    try:
+        for step in range(4):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            if step == 2:
+                x[3, 5] = float("nan")
+            loss = F.mse_loss(model(x), torch.ones(16, 1))
+            loss.backward()
+            counts.append(sum(int((~torch.isfinite(p.grad)).sum()) for p in model.parameters()))
+            opt.step()
+            opt.zero_grad()
+    finally:
+        capture.close()
+    records = sink.records
+    assert counts[:2] == [0, 0] and counts[2] > 0
+    for record in records[:2]:
+        assert math.isfinite(record.get("loss")) and math.isfinite(record.get("grad_norm"))
+        assert record.get("nonfinite_grads") == 0
+    assert math.isnan(records[2].get("loss"))
+    assert math.isnan(records[2].get("grad_norm"))
+    assert records[2].get("nonfinite_grads") == counts[2]
+    assert records[3].get("nonfinite_grads") == counts[3]  # the NaN weights keep every gradient NaN
+    assert set(per_module(records[2], "grad_norm")) == {"0", "2"}
+
+
+def test_observe_set_batch_rank_and_coords(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    model = make_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="meta", stats_every=0), sink, coords={"dp": 3}).attach(model, opt)
+    try:
+        for step in range(2):
+            capture.set_batch(f"shard0:{step}")
+            logits = logits_of(model(tokens(step)[:, :-1]))
+            capture.observe("attn_logit_max/h.0.attn", logits.detach().abs())  # a tensor: reduced to its max
+            capture.observe("tokens", 64.0)
+            F.cross_entropy(logits.reshape(-1, VOCAB), tokens(step)[:, 1:].reshape(-1)).backward()
+            expected_max = logits.detach().abs().max().item()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        capture.close()
+    first, second = sink.records
+    assert (first.rank, dict(first.coords)) == (3, {"world_size": 4, "local_rank": 1, "dp": 3})
+    assert (first.batch, second.batch) == ("shard0:0", "shard0:1")
+    assert second.get("attn_logit_max/h.0.attn") == pytest.approx(expected_max)
+    assert second.get("tokens") == 64.0
+
+
+def test_auto_mode_tracks_only_the_first_optimizer_that_steps():
+    torch.manual_seed(0)
+    main, probe = nn.Linear(4, 4), nn.Linear(4, 1)
+    opt_main = torch.optim.SGD(main.parameters(), lr=0.1)
+    opt_probe = torch.optim.SGD(probe.parameters(), lr=0.1)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="two-opt", stats_every=0), sink).attach()
+    norms = []
+    try:
+        for step in range(3):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            main(x).square().mean().backward()
+            norms.append(torch.nn.utils.get_total_norm([p.grad for p in main.parameters()]).item())
+            opt_main.step()
+            opt_main.zero_grad()
+            probe(x).square().mean().backward()
+            opt_probe.step()
+            opt_probe.zero_grad()
+    finally:
+        capture.close()
+    records = sink.records
+    assert [r.step for r in records] == [0, 1, 2]
+    assert [r.get("grad_norm") for r in records] == pytest.approx(norms, rel=1e-5)
+    assert set(per_module(records[0], "grad_norm")) == {"root"}  # nn.Linear owns its parameters itself
