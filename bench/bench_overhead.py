@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-from stability.config import WatchConfig  # noqa: E402
-from stability.hooks.capture import Capture  # noqa: E402
-from stability.testing import ListSink, TinyGPT  # noqa: E402
+from stability.config import WatchConfig
+from stability.hooks.capture import Capture
+from stability.testing import ListSink, TinyGPT
 
 
 def make_loop(batch: int) -> tuple[Callable[[int], None], TinyGPT]:
@@ -74,8 +74,10 @@ def main() -> None:
     }
     times: dict[str, list[float]] = {name: [] for name in modes}
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"TinyGPT {n_params / 1e6:.2f}M params, {len(list(model.parameters()))} tensors, batch {args.batch}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    print(
+        f"TinyGPT {n_params / 1e6:.2f}M params, {len(list(model.parameters()))} tensors, batch {args.batch}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)"
+    )
     run(3)  # warm up allocator and kernels
     for _ in range(args.rounds):
         for name, config in modes.items():
@@ -83,8 +85,10 @@ def main() -> None:
     base = statistics.median(times["baseline (no stability)"])
     for name, samples in times.items():
         med = statistics.median(samples)
-        print(f"{name:26s} {1 / med:7.2f} steps/s  {med * 1e3:8.1f} ms/step  overhead x{med / base:.4f} "
-              f"({(med / base - 1) * 100:+.2f} %)  [min {min(samples) * 1e3:.1f}, max {max(samples) * 1e3:.1f} ms]")
+        print(
+            f"{name:26s} {1 / med:7.2f} steps/s  {med * 1e3:8.1f} ms/step  overhead x{med / base:.4f} "
+            f"({(med / base - 1) * 100:+.2f} %)  [min {min(samples) * 1e3:.1f}, max {max(samples) * 1e3:.1f} ms]"
+        )
 
 
 if __name__ == "__main__":

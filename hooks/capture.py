@@ -93,8 +93,7 @@ def _is_compiling() -> bool:
 def _hook(method: Callable[Concatenate[Capture, _P], None]) -> Callable[Concatenate[Capture, _P], None]:
     """Run a hook body only while the capture is live; catch, count and log every exception."""
 
-    @functools.wraps(method)
-    def guarded(self: Capture, *args: _P.args, **kwargs: _P.kwargs) -> None:
+    def guarded(self: Capture, /, *args: _P.args, **kwargs: _P.kwargs) -> None:
         if not self._live() or _is_compiling():
             return
         previous = in_hook()
@@ -106,6 +105,7 @@ def _hook(method: Callable[Concatenate[Capture, _P], None]) -> Callable[Concaten
         finally:
             _hook_state.active = previous
 
+    functools.update_wrapper(guarded, method)
     return guarded
 
 
@@ -194,9 +194,7 @@ class Capture:
         """True between a successful :meth:`attach` and :meth:`close`."""
         return self._attached and not self._closed
 
-    def attach(
-        self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
-    ) -> Capture:
+    def attach(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> Capture:
         """Start capturing; ``model``/``optimizer`` None means discover them (auto mode).
 
         Does nothing when ``config.enabled`` is False or ``STABILITY_DISABLE`` is set, or when already attached.
@@ -377,7 +375,9 @@ class Capture:
             return True
         if id(optimizer) not in self._ignored:
             self._ignored.add(id(optimizer))
-            logger.info("stability: ignoring optimizer %s; only the first one to step is tracked", type(optimizer).__name__)
+            logger.info(
+                "stability: ignoring optimizer %s; only the first one to step is tracked", type(optimizer).__name__
+            )
         return False
 
     def _begin_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -94,7 +94,7 @@ def stage(parts: list[tuple[list[str], torch.Tensor]], staged: StagedStep) -> No
     elif device.type == "cuda":
         host = torch.empty(vector.shape, dtype=dtype, pin_memory=True)
         host.copy_(vector, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record()
         staged.values, staged.event = host, event
     else:  # other accelerators: a plain copy (only CUDA is known to be sync-free here)
@@ -172,4 +172,3 @@ class Reader:
             self.dropped += 1
         else:
             self.delivered += 1
-

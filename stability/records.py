@@ -11,9 +11,9 @@ Wire format (version 1): a msgpack map ::
      "coords": {str: int}, "batch": str | None,
      "n": [signal names], "x": bytes}          # x = little-endian float64 array, one per name
 
-Packing the values as one float64 byte string keeps NaN and +/-Inf exact, is ~10x faster to encode than a
-msgpack map of floats, and keeps a record self-contained (a spool file or an archive can be read alone).
-``bench/bench_encoding.py`` measures the alternatives.
+Packing the values as one float64 byte string keeps NaN and +/-Inf exact at the same size as a msgpack map of
+floats, and keeps a record self-contained (a spool file or an archive can be read alone). ``bench/bench_encoding.py``
+measures the alternatives (figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def encode(record: StepRecord) -> bytes:
     """Encode ``record`` to bytes; raise :class:`RecordError` if it cannot be represented."""
     names = list(record.signals)
     try:
-        values = np.fromiter((record.signals[n] for n in names), dtype=_LE_F64, count=len(names))
+        values = np.fromiter(record.signals.values(), dtype=_LE_F64, count=len(names))
     except (TypeError, ValueError) as exc:
         raise RecordError(f"record step {record.step}: a signal value is not a number ({exc})") from None
     payload = {

@@ -3,6 +3,7 @@ computes itself (plain torch: ``get_total_norm``, parameter snapshots, the optim
 
 from __future__ import annotations
 
+import itertools
 import math
 import socket
 
@@ -48,7 +49,7 @@ def by_module(model: nn.Module, value) -> dict[str, float]:
 
 def per_module(record, quantity: str) -> dict[str, float]:
     prefix = quantity + "/"
-    return {k[len(prefix):]: v for k, v in record.signals.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in record.signals.items() if k.startswith(prefix)}
 
 
 def assert_close(got: dict[str, float], want: dict[str, float], rel: float = 1e-5) -> None:
@@ -90,7 +91,7 @@ def test_auto_mode_plain_loop_records_loss_lr_and_grad_norms_before_clipping():
         assert "h.0.attn.c_attn" in per_module(record, "grad_norm")
         assert not per_module(record, "param_norm")  # stats_every=0
     assert [r.get("lr") for r in records] == sorted((r.get("lr") for r in records), reverse=True)
-    assert all(a.wall_time <= b.wall_time for a, b in zip(records, records[1:]))
+    assert all(a.wall_time <= b.wall_time for a, b in itertools.pairwise(records))
 
 
 def test_gradient_accumulation_gives_one_record_per_optimizer_step_with_the_mean_loss():
@@ -197,8 +198,11 @@ def test_update_ratio_param_norm_adam_and_activation_stats_match_references():
     capture = Capture(WatchConfig(run_id="ratios", stats_every=1, max_act_modules=100), sink).attach(model, opt)
     outputs: dict[str, torch.Tensor] = {}
     names = {m: n for n, m in model.named_modules()}
-    mine = [m.register_forward_hook(lambda m, a, o: outputs.__setitem__(names[m], o.detach().clone()))
-            for m in model.modules() if list(m.parameters(recurse=False))]
+    mine = [
+        m.register_forward_hook(lambda m, a, o: outputs.__setitem__(names[m], o.detach().clone()))
+        for m in model.modules()
+        if list(m.parameters(recurse=False))
+    ]
     want = []
     try:
         for step in range(3):
@@ -206,8 +210,8 @@ def test_update_ratio_param_norm_adam_and_activation_stats_match_references():
             lm_loss(model, tokens(step)).backward()
             before = {p: p.detach().clone() for p in model.parameters()}
             opt.step()
-            delta = by_module(model, lambda p: p.detach() - before[p])
-            size = by_module(model, lambda p: before[p])
+            delta = by_module(model, lambda p, before=before: p.detach() - before[p])
+            size = by_module(model, lambda p, before=before: before[p])
             adam = {}
             for name, module in model.named_modules():
                 own = list(module.parameters(recurse=False))

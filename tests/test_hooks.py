@@ -1,0 +1,446 @@
+"""Capture building blocks and guarantees: schedules, on-device statistics, parameter layout, reversible patches,
+error containment, the bounded reader queue and the no-host-sync rule. Training here is real but tiny (CPU)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from stability.config import WatchConfig
+from stability.errors import ConfigError
+from stability.hooks import capture as capture_module
+from stability.hooks import stats, torch_patches
+from stability.hooks.capture import MAX_ERRORS, Capture, in_hook
+from stability.hooks.layout import build_layout
+from stability.hooks.schedules import every, never
+from stability.hooks.staging import Reader, StagedStep
+from stability.testing import ListSink, TinyGPT, TinyGPTConfig
+
+VOCAB = 32
+
+
+def tiny_gpt(return_dict: bool = False) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(TinyGPTConfig(vocab=VOCAB, block=8, d_model=16, n_layer=1, n_head=2, return_dict=return_dict))
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, *, clip: float | None = 1.0) -> None:
+    for step in range(steps):
+        data = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(step))
+        out = model(data[:, :-1])
+        logits = out["logits"] if isinstance(out, dict) else out
+        F.cross_entropy(logits.reshape(-1, VOCAB), data[:, 1:].reshape(-1)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+
+
+def originals() -> dict[str, object]:
+    import torch.nn.utils.clip_grad as clip_module
+
+    return {
+        "Tensor.backward": torch.Tensor.backward,
+        "autograd.backward": torch.autograd.backward,
+        "clip_grad.clip_grad_norm_": clip_module.clip_grad_norm_,
+        "utils.clip_grad_norm_": torch.nn.utils.clip_grad_norm_,
+        "GradScaler.scale": vars(torch.amp.GradScaler)["scale"],
+        "GradScaler.step": vars(torch.amp.GradScaler)["step"],
+    }
+
+
+def global_hook_counts() -> tuple[int, ...]:
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+
+    return (
+        len(optimizer._global_optimizer_pre_hooks),
+        len(optimizer._global_optimizer_post_hooks),
+        len(module._global_forward_pre_hooks),
+        len(module._global_forward_hooks),
+    )
+
+
+# ------------------------------------------------------------------------------------------------- schedules
+
+
+def test_every_samples_multiples_from_offset_and_zero_means_never():
+    assert [s for s in range(10) if every(3)(s)] == [0, 3, 6, 9]
+    assert [s for s in range(10) if every(4, offset=2)(s)] == [2, 6]
+    assert every(0) is never and not any(every(0)(s) for s in range(5))
+    with pytest.raises(ConfigError, match="n and offset"):
+        every(-1)
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+
+
+def test_tensor_norms_fill_missing_tensors_with_zero():
+    a, b = torch.tensor([3.0, 4.0]), torch.ones(2, 2, dtype=torch.bfloat16)
+    norms = stats.tensor_norms([a, None, b], torch.device("cpu"))
+    assert norms.dtype == torch.float32
+    assert norms.tolist() == pytest.approx([5.0, 0.0, 2.0])
+    assert stats.tensor_norms([a], torch.device("cpu"), ord=1.0).tolist() == [7.0]
+
+
+def test_nonfinite_count_counts_nan_and_inf_across_chunks(monkeypatch):
+    monkeypatch.setattr(stats, "COUNT_CHUNK_ELEMENTS", 5)
+    a = torch.zeros(4)
+    a[1] = float("nan")
+    b = torch.full((3, 3), 1e30)
+    b[0, 0], b[2, 1] = float("inf"), -float("inf")  # 1e30 is finite even though b's L2 norm overflows
+    c = torch.ones(7, dtype=torch.bfloat16)
+    c[6] = float("nan")
+    count = stats.nonfinite_count([a, None, b, c], torch.device("cpu"))
+    assert count.dtype == torch.int64 and int(count) == 4
+    assert int(stats.nonfinite_count([torch.ones(3)], torch.device("cpu"))) == 0
+
+
+def test_first_float_tensor_skips_masks_ints_and_odd_types():
+    x = torch.randn(2, 3)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    assert stats.first_float_tensor(x) is x
+    assert stats.first_float_tensor(mask) is None
+    assert stats.first_float_tensor(torch.arange(3)) is None
+    assert stats.first_float_tensor((mask, 3, x)) is x
+    assert stats.first_float_tensor({"ids": torch.arange(2), "h": x}) is x
+    assert stats.first_float_tensor(object()) is None
+    assert stats.first_float_tensor(torch.empty(0)) is None
+
+
+def test_logits_are_taken_only_where_the_output_exposes_them():
+    logits = torch.randn(2, 5, 7)
+
+    class Output:
+        def __init__(self) -> None:
+            self.logits = logits
+
+    assert stats.logits_of({"logits": logits}) is logits
+    assert stats.logits_of(Output()) is logits
+    assert stats.logits_of(logits) is None  # a bare tensor is not assumed to be logits
+    assert stats.logits_of({"hidden": logits}) is None
+    assert float(stats.logit_z(logits)) == pytest.approx(float(torch.logsumexp(logits, -1).mean()))
+
+
+def test_activation_stats_are_absmax_and_mean_square():
+    x = torch.tensor([[1.0, -3.0], [2.0, 0.0]])
+    assert stats.activation_stats(x).tolist() == pytest.approx([3.0, 14.0 / 4])
+
+
+# ---------------------------------------------------------------------------------------------------- layout
+
+
+def test_layout_groups_by_owning_module_with_tied_root_and_other_parameters():
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2, bias=False))
+    model[1].weight = nn.Parameter(model[0].weight.detach().t().clone())
+    model.register_parameter("scale", nn.Parameter(torch.ones(1)))  # owned by the root itself
+    tied = nn.Linear(2, 2, bias=False)
+    tied.weight = model[0].weight  # shared with model[0]
+    extra = nn.Parameter(torch.zeros(1))  # in the optimizer, in no module
+    layout = build_layout([model], [*model.parameters(), extra])
+    assert layout.modules == ["root", "0", "1", "_other"]
+    assert layout.owners == [0, 1, 1, 2, 3]
+    assert layout.names("grad_norm")[1] == "grad_norm/0"
+    assert layout.index(torch.device("cpu")).tolist() == layout.owners
+    two = build_layout([nn.Linear(1, 1), tied], None)
+    assert two.modules == ["root0", "root1"]
+
+
+def test_activation_modules_are_spread_over_depth():
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(10)])
+    layout = build_layout([model], None)
+    assert [n for n, _ in layout.activation_modules(3)] == ["0", "4", "9"]
+    assert len(layout.activation_modules(100)) == 10
+    assert layout.activation_modules(0) == []
+
+
+# ------------------------------------------------------------------------------------ attach / close / patches
+
+
+def test_close_removes_every_hook_and_patch():
+    before, hooks_before = originals(), global_hook_counts()
+    first = Capture(WatchConfig(run_id="a"), ListSink()).attach()
+    second = Capture(WatchConfig(run_id="b"), ListSink()).attach()
+    patched = originals()
+    assert all(patched[name] is not before[name] for name in before)
+    assert torch_patches.installed()
+    assert global_hook_counts() == tuple(n + 2 for n in hooks_before)
+    first.close()
+    assert originals()["Tensor.backward"] is patched["Tensor.backward"]  # still needed by `second`
+    second.close()
+    second.close()  # idempotent
+    assert originals() == before
+    assert torch.Tensor.backward is before["Tensor.backward"]
+    assert torch_patches.installed() == []
+    assert global_hook_counts() == hooks_before
+    model = tiny_gpt()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)  # training after close is untouched
+
+
+def test_explicit_mode_hooks_go_on_the_given_objects_and_are_removed():
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks_before = global_hook_counts()
+    capture = Capture(WatchConfig(run_id="x", stats_every=1, max_act_modules=2), ListSink()).attach(model, opt)
+    assert global_hook_counts() == hooks_before
+    assert len(opt._optimizer_step_pre_hooks) == 1 and len(opt._optimizer_step_post_hooks) == 1
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 3
+    capture.close()
+    assert len(opt._optimizer_step_pre_hooks) == 0 and len(opt._optimizer_step_post_hooks) == 0
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+
+
+@pytest.mark.parametrize("how", ["config", "env"])
+def test_disabled_capture_attaches_nothing(monkeypatch, how):
+    before = originals()
+    if how == "env":
+        monkeypatch.setenv("STABILITY_DISABLE", "1")
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="off", enabled=how != "config"), sink).attach()
+    assert not capture.attached
+    assert originals() == before
+    model = tiny_gpt()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    capture.close()
+    assert len(sink) == 0
+
+
+def test_hooks_do_nothing_while_torch_compile_traces(monkeypatch):
+    monkeypatch.setattr(capture_module, "_is_compiling", lambda: True)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="compiled"), sink).attach()
+    model = tiny_gpt()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    capture.close()
+    assert len(sink) == 0 and capture.errors == 0 and capture.step == 0
+
+
+# ----------------------------------------------------------------------------------------- errors never escape
+
+
+class RaisingSink:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def put(self, record) -> bool:
+        self.calls += 1
+        raise RuntimeError("sink is broken")
+
+
+def test_a_raising_sink_never_breaks_training_and_is_counted(caplog):
+    sink = RaisingSink()
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    capture = Capture(WatchConfig(run_id="broken"), sink).attach()
+    with caplog.at_level(logging.ERROR, logger="stability.hooks.capture"):
+        train(model, opt, 3)
+        capture.flush()
+    capture.close()
+    assert sink.calls == 3 and capture.errors == 3 and capture.step == 3
+    logged = [r for r in caplog.records if "error in hook sink.put" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None  # logged once, with the traceback
+
+
+def test_odd_module_outputs_are_skipped_and_a_raising_output_is_contained():
+    class Odd:
+        """A model output whose ``logits`` property raises."""
+
+        def __init__(self, x: torch.Tensor) -> None:
+            self.x = x
+
+        @property
+        def logits(self) -> torch.Tensor:
+            raise ValueError("no logits today")
+
+    class MaskMaker(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor):
+            return (x > 0, 7, "text")  # no float tensor at all: nothing to measure, no error
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.masks = MaskMaker()
+            self.body = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> Odd:
+            self.masks(x)
+            return Odd(self.body(x))
+
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="odd", stats_every=1), sink).attach(model, opt)
+    for _ in range(3):
+        model(torch.randn(5, 4)).x.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    capture.close()
+    assert capture.errors == 3  # the raising .logits, once per step
+    records = sink.records
+    assert len(records) == 3
+    assert "act_rms/body" in records[0].signals and "act_rms/masks.lin" not in records[0].signals
+    assert "logit_z" not in records[0].signals
+
+
+def test_too_many_errors_disable_the_capture_with_one_warning(caplog):
+    sink = RaisingSink()
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    capture = Capture(WatchConfig(run_id="many"), sink).attach()
+    with caplog.at_level(logging.WARNING, logger="stability.hooks.capture"):
+        for _ in range(MAX_ERRORS + 5):
+            train(model, opt, 1)
+            capture.flush()
+    capture.close()
+    assert capture.errors == MAX_ERRORS
+    assert capture.step == MAX_ERRORS  # no further steps once disabled
+    assert sum("capture disabled" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_bad_observe_input_is_counted_not_raised():
+    capture = Capture(WatchConfig(run_id="obs"), ListSink()).attach()
+    capture.observe("", 1.0)
+    capture.observe("x", torch.empty(0))
+    capture.close()
+    assert capture.errors == 2
+
+
+# --------------------------------------------------------------------------------------- reader and the sink
+
+
+def test_reader_queue_is_bounded_and_drops_the_oldest():
+    entered, release = threading.Event(), threading.Event()
+    got = []
+
+    class SlowSink:
+        def put(self, record) -> bool:
+            entered.set()
+            release.wait(10)
+            got.append(record.step)
+            return True
+
+    errors: list[BaseException] = []
+    reader = Reader(SlowSink(), lambda exc, where: errors.append(exc), limit=2)
+
+    def staged(step: int) -> StagedStep:
+        return StagedStep(run_id="q", step=step, rank=0, wall_time=0.0, host="h", coords={}, batch=None)
+
+    reader.submit(staged(0))
+    assert entered.wait(10)  # step 0 is in the sink; 1..4 queue behind it
+    for step in range(1, 5):
+        reader.submit(staged(step))
+    release.set()
+    assert reader.close(10)
+    assert got == [0, 3, 4] and reader.dropped == 2 and not errors
+
+
+def test_refused_records_are_counted_as_dropped():
+    model = tiny_gpt()
+    capture = Capture(WatchConfig(run_id="full"), ListSink(accept=False)).attach()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), 3)
+    capture.close()
+    assert capture.dropped == 3 and capture.errors == 0
+
+
+# ------------------------------------------------------------------------------------------ no host-device sync
+
+
+SYNC_METHODS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+
+def trap_host_reads(monkeypatch) -> list[str]:
+    """Make every host read of a tensor value fail while stability hook code runs on this (training) thread."""
+    violations: list[str] = []
+    training_thread = threading.current_thread()
+    for name in SYNC_METHODS:
+        original = getattr(torch.Tensor, name)
+
+        def trapped(self, *args, _name=name, _original=original):
+            if in_hook() and threading.current_thread() is training_thread:
+                violations.append(_name)
+                raise AssertionError(f"host sync via Tensor.{_name} inside a stability hook")
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, trapped)
+    return violations
+
+
+def amp_training(model: nn.Module, steps: int, capture: Capture | None = None) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for step in range(steps):
+        data = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(step))
+        logits = model(data[:, :-1])["logits"]
+        if capture is not None:
+            capture.observe("attn_logit_max/h.0.attn", logits.detach().amax())
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), data[:, 1:].reshape(-1))
+        scaler.scale(loss * (float("inf") if step == 2 else 1.0)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+def test_hooks_never_read_tensor_values_on_the_training_thread(monkeypatch):
+    """CPU stand-in for ``torch.cuda.set_sync_debug_mode("error")`` (no CUDA here): on the CPU nothing ever waits
+    for a device, so instead every Python-level way to read a tensor value on the host (``.item()``, ``float()``,
+    ``bool()``, ``.tolist()``, ...) is made to fail while stability hook code runs on the training thread. Every
+    hook path runs: auto discovery, backward, GradScaler with a skipped step, clipping, sampled statistics with
+    activation and logit hooks, ``observe()``. The reader thread may read values (that is its job)."""
+    violations = trap_host_reads(monkeypatch)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="nosync", stats_every=1), sink).attach()
+    amp_training(tiny_gpt(return_dict=True), 4, capture)
+    capture.close()
+    assert violations == [] and capture.errors == 0
+    records = sink.records
+    assert len(records) == 4 and records[2].get("skipped") == 1.0
+    assert "act_rms/h.0.attn.c_attn" in records[1].signals and "logit_z" in records[1].signals
+
+
+def test_the_host_read_trap_catches_a_syncing_hook(monkeypatch):
+    """The trap above can fail: a statistic that calls ``.item()`` is caught (and contained by the guard)."""
+    violations = trap_host_reads(monkeypatch)
+    monkeypatch.setattr(stats, "logit_z", lambda logits: torch.tensor(logits.mean().item()))
+    capture = Capture(WatchConfig(run_id="sync", stats_every=1), ListSink()).attach()
+    amp_training(tiny_gpt(return_dict=True), 3, capture)  # auto mode: output hooks from step 1 on
+    capture.close()
+    assert violations == ["item", "item"] and capture.errors == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the CPU stand-in is the test above")
+def test_one_cuda_training_step_has_no_sync_in_hooks():
+    model = tiny_gpt().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, foreach=True)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="cuda", stats_every=1), sink).attach(model, opt)
+    data = torch.randint(0, VOCAB, (2, 9), device="cuda")
+
+    def train_step() -> None:
+        F.cross_entropy(model(data[:, :-1]).reshape(-1, VOCAB), data[:, 1:].reshape(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad()
+
+    train_step()  # warm-up: lazy state and the layout's index copy
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    capture.close()
+    assert capture.errors == 0 and len(sink) == 2
+    assert math.isfinite(sink.records[1].get("grad_norm"))
