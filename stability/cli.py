@@ -19,7 +19,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a tiny GPT with an injected fault and diagnose it live")
     from stability.demo import DEFAULT_FAULT, FAULTS
 
-    demo.add_argument("--fault", choices=FAULTS, default=DEFAULT_FAULT, help=f"fault to inject (default {DEFAULT_FAULT})")
+    demo.add_argument(
+        "--fault", choices=FAULTS, default=DEFAULT_FAULT, help=f"fault to inject (default {DEFAULT_FAULT})"
+    )
     demo.add_argument("--steps", type=int, default=400, help="optimizer steps (default 400)")
     demo.add_argument("--run-dir", type=Path, default=None, help="run directory (default ./stability-runs/demo-...)")
 

@@ -111,7 +111,9 @@ class RedisServer:
                 self.socket_path.unlink()
             args += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         try:
-            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+            self._proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True
+            )
         except OSError as exc:
             raise EmbeddedServerError(f"cannot start {self.binary}: {exc}") from None
         self._wait_ready(timeout)

@@ -142,7 +142,7 @@ def _start_worker(server: RedisServer, run_dir: Path) -> subprocess.Popen[bytes]
     env["STABILITY_REDIS_URL"] = server.url
     env.setdefault("STABILITY_SWEEP_S", "0.5")
     env.setdefault("OMP_NUM_THREADS", "1")
-    logfile = open(run_dir / "worker.log", "ab")  # noqa: SIM115 - owned by the child process
+    logfile = open(run_dir / "worker.log", "ab")
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "stability.worker", "--loglevel", "INFO"],
