@@ -215,7 +215,7 @@ class _FindingsWatcher(threading.Thread):
         super().__init__(daemon=True, name="stability-demo-findings")
         self.url, self.run_id, self.console = url, run_id, console
         self.findings: list[dict[str, Any]] = []
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         import redis
@@ -224,7 +224,7 @@ class _FindingsWatcher(threading.Thread):
 
         client = redis.Redis.from_url(self.url, socket_timeout=2.0)
         last = "0-0"
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 reply = client.xread({keys.findings(self.run_id): last}, block=200, count=100)
             except (redis.ConnectionError, redis.TimeoutError, OSError):
@@ -246,5 +246,5 @@ class _FindingsWatcher(threading.Thread):
         )
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=5)
