@@ -36,6 +36,28 @@ Hot path: hooks never read a device value on the host. Statistics are computed o
 counted, logged once per hook with its traceback and never reaches the training loop; after
 :data:`MAX_ERRORS` errors the capture turns itself off with one warning. Under ``torch.compile`` tracing the hooks
 do nothing.
+
+Extension API for framework adapters (``stability.hooks.deepspeed``, ``.hf``, ``.megatron``, ``.lightning``):
+
+* ``capture.use_framework(name, model=..., optimizer=..., drive_steps=..., grad_norm=..., param_stats=...)``
+  declares that adapter ``name`` feeds this capture (:meth:`Capture.release_framework` undoes it). ``model`` becomes
+  the measured model (all its parameters, per module). ``drive_steps=True``: the optimizer step hooks (and the
+  ``GradScaler.step`` patch) no longer begin or end steps; the adapter calls :meth:`Capture.begin_step` when the
+  step's gradients are final (before clipping / the optimizer step) and :meth:`Capture.end_step` after the step,
+  also when the framework skipped it (DeepSpeed / Megatron fp16 overflow: ``optimizer.step()`` never runs).
+  ``grad_norm=False``: the framework computes the global grad norm (and observes it), so Capture makes no
+  global grad-norm / ``nonfinite_grads`` pass of its own; per-layer ``grad_norm/<module>`` are still measured on
+  ``layer_every`` steps from ``param.grad`` or from the gradients the adapter passes to ``begin_step(grads)``
+  (aligned with :attr:`Capture.measured_params`, ``None`` entries count as zero), which is how ZeRO-2/3 adapters
+  supply ``safe_get_full_grad`` results on sampled steps only. ``param_stats=False``: no ``param_norm`` /
+  ``update_ratio`` / ``adam_v_ratio`` (parameters that are partitioned outside forward, e.g. ZeRO-3).
+* ``capture.observe(name, value)``: values observed for a step **win** over Capture's own values of the same
+  name (``grad_norm``, ``loss_scale``, ``skipped``, ``lr``, ``loss``, ``tokens``, ``samples`` ...). Tensors stay on
+  the device; the reader thread converts them.
+* ``capture.observe_loss(tensor)``: one micro-batch loss computed by the framework (unscaled, not divided by the
+  accumulation steps); when a step has any, the step's ``loss`` is their mean and the losses seen by the
+  ``backward()`` patch for that step are ignored.
+* ``capture.end_step(skipped=...)``: ``skipped`` may be a bool, a float or a device tensor (0/1).
 """
 
 from __future__ import annotations
@@ -123,6 +145,9 @@ class _StepState:
     acts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     logit_z: list[torch.Tensor] = field(default_factory=list)
     batch: str | None = None
+    observed: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    observed_host: dict[str, float] = field(default_factory=dict)
+    framework_losses: list[torch.Tensor] = field(default_factory=list)
 
 
 class Capture:
@@ -171,6 +196,10 @@ class Capture:
         self._scaled: tuple[weakref.ref[torch.Tensor], Any] | None = None
         self._scaler_call: tuple[Any, torch.optim.Optimizer, int] | None = None
         self._meta: tuple[int, dict[str, int], str] | None = None
+        self._framework: str | None = None
+        self._drive_steps = False
+        self._own_grad_norm = True
+        self._param_stats = True
 
     # ----------------------------------------------------------------------------------------------- public API
 
@@ -237,6 +266,53 @@ class Capture:
         """Record the identity of the current step's batch (for replay and skip lists)."""
         self._set_batch(batch_id)
 
+    # ------------------------------------------------------------------ extension API for framework adapters
+
+    @property
+    def framework(self) -> str | None:
+        """Name of the adapter feeding this capture (see :meth:`use_framework`), or None."""
+        return self._framework
+
+    @property
+    def measured_params(self) -> list[torch.Tensor]:
+        """The parameters whose gradients are measured, in the order :meth:`begin_step` expects ``grads``."""
+        self._ensure_layout(None)
+        return list(self._layout.params) if self._layout is not None else []
+
+    def use_framework(
+        self,
+        name: str,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        drive_steps: bool = False,
+        grad_norm: bool = True,
+        param_stats: bool = True,
+    ) -> None:
+        """Let framework adapter ``name`` feed this capture; see the module docstring. Never raises."""
+        self._use_framework(name, model, optimizer, drive_steps, grad_norm, param_stats)
+
+    def release_framework(self, name: str) -> None:
+        """Undo :meth:`use_framework` for adapter ``name`` (the optimizer step hooks drive steps again)."""
+        if self._framework == name:
+            self._framework = None
+            self._drive_steps = False
+            self._own_grad_norm = True
+            self._param_stats = True
+
+    def begin_step(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
+        """The current step's gradients are final: measure them (``grads`` aligned with :attr:`measured_params`,
+        default ``param.grad``) and snapshot parameters on sampled steps. No host sync; never raises."""
+        self._begin_external(grads)
+
+    def end_step(self, *, skipped: bool | float | torch.Tensor | None = None) -> None:
+        """Complete the current step (only with ``drive_steps=True``): sampled stats, loss, record. Never raises."""
+        self._end_external(skipped)
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Add one micro-batch loss computed by the framework (a tensor, kept on the device). Never raises."""
+        self._observe_loss(loss)
+
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until every completed step has been handed to the sink (at most ``timeout`` seconds)."""
         if self._reader is not None and not self._reader.flush(timeout):
@@ -300,6 +376,8 @@ class Capture:
     def after_scaler_step(self, scaler: Any, optimizer: torch.optim.Optimizer, completed: bool) -> None:
         """``GradScaler.step`` returned; if no optimizer step happened inside, record a skipped step."""
         call, self._scaler_call = self._scaler_call, None
+        if self._drive_steps:
+            return
         if not completed or call is None or call[2] != self._step or not getattr(scaler, "_enabled", False):
             return
         if not self._adopt(optimizer):
@@ -312,12 +390,12 @@ class Capture:
 
     @_hook
     def _on_pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._adopt(optimizer):
+        if not self._drive_steps and self._adopt(optimizer):
             self._begin_step(optimizer)
 
     @_hook
     def _on_post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if optimizer is self._optimizer:
+        if not self._drive_steps and optimizer is self._optimizer:
             self._finish_step(optimizer, skipped=None)
 
     @_hook
@@ -354,13 +432,74 @@ class Capture:
             if flat.numel() == 0:
                 raise RecordError(f"observe({name!r}): the tensor is empty")
             kept = flat.amax(keepdim=True) if flat.numel() > 1 else flat.clone()
-            self._state.parts.append(([name], kept))
+            self._state.observed.append((name, kept))
+            self._state.observed_host.pop(name, None)
         else:
-            self._state.host[name] = float(value)
+            self._state.observed_host[name] = float(value)
+            self._state.observed = [(n, t) for n, t in self._state.observed if n != name]
 
     @_hook
     def _set_batch(self, batch_id: str | int) -> None:
         self._state.batch = str(batch_id)[:MAX_ID_CHARS]
+
+    @_hook
+    def _use_framework(
+        self,
+        name: str,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        drive_steps: bool,
+        grad_norm: bool,
+        param_stats: bool,
+    ) -> None:
+        if self._framework not in (None, name):
+            logger.info("stability: adapter %s replaces adapter %s", name, self._framework)
+        self._framework = name
+        self._drive_steps = drive_steps
+        self._own_grad_norm = grad_norm
+        self._param_stats = param_stats
+        if optimizer is not None:
+            self._optimizer = optimizer
+        if model is not None:
+            self._roots = [model]
+            self._layout = None
+            self._layout_has_optimizer = False
+            self._ensure_layout(None)
+            self._arm_step_hooks()
+
+    @_hook
+    def _begin_external(self, grads: Sequence[torch.Tensor | None] | None) -> None:
+        self._ensure_layout(None)
+        layout, state = self._layout, self._state
+        if layout is None:
+            return
+        if not state.grads_measured:
+            if grads is not None and len(grads) != len(layout.params):
+                raise RecordError(f"begin_step(): {len(grads)} gradients for {len(layout.params)} parameters")
+            self._measure_grads(None if grads is None else list(grads))
+        if (
+            self._param_stats
+            and state.snapshot is None
+            and self._stats_due(self._step)
+            and layout.total_bytes <= self.config.update_ratio_max_bytes
+        ):
+            state.snapshot = [p.detach().clone() for p in layout.params]
+
+    @_hook
+    def _end_external(self, skipped: bool | float | torch.Tensor | None) -> None:
+        if not self._drive_steps:
+            raise RecordError("end_step() needs use_framework(..., drive_steps=True)")
+        if isinstance(skipped, torch.Tensor):
+            self._state.observed.append(("skipped", skipped.detach().reshape(-1)[:1].to(torch.float32)))
+        elif skipped is not None:
+            self._state.observed_host["skipped"] = float(skipped)
+        self._finish_step(self._optimizer, skipped=None)
+
+    @_hook
+    def _observe_loss(self, loss: torch.Tensor) -> None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() == 0:
+            raise RecordError(f"observe_loss(): expected a non-empty tensor, got {type(loss).__name__}")
+        self._state.framework_losses.append(loss.detach().to(torch.float32).mean())
 
     # -------------------------------------------------------------------------------------------- step logic
 
@@ -436,22 +575,29 @@ class Capture:
             return layout.params[0].device
         return torch.device("cpu")
 
-    def _measure_grads(self) -> None:
-        """Global and per-module gradient norms and the non-finite count, on the device."""
+    def _measure_grads(self, given: list[torch.Tensor | None] | None = None) -> None:
+        """Global and per-module gradient norms and the non-finite count, on the device.
+
+        With ``use_framework(grad_norm=False)`` only the per-module norms are measured, on ``layer_every`` steps.
+        """
         layout = self._layout
         assert layout is not None
         state = self._state
         state.grads_measured = True
+        layer_due = self._layer_due(self._step) and bool(layout.modules)
+        if not self._own_grad_norm and not layer_due:
+            return
         device = self._device()
-        grads = [p.grad for p in layout.params]
+        grads = [p.grad for p in layout.params] if given is None else given
         norms = stats.tensor_norms(grads, device)
-        state.parts.append((["grad_norm"], torch.linalg.vector_norm(norms).reshape(1)))
-        state.parts.append((["nonfinite_grads"], stats.nonfinite_count(grads, device).reshape(1)))
-        if self._layer_due(self._step) and layout.modules:
+        if self._own_grad_norm:
+            state.parts.append((["grad_norm"], torch.linalg.vector_norm(norms).reshape(1)))
+            state.parts.append((["nonfinite_grads"], stats.nonfinite_count(grads, device).reshape(1)))
+        if layer_due:
             per_module = stats.segment_sum(norms.square(), layout.index(device), len(layout.modules)).sqrt()
             state.parts.append((layout.names("grad_norm"), per_module))
 
-    def _finish_step(self, optimizer: torch.optim.Optimizer, skipped: float | None) -> None:
+    def _finish_step(self, optimizer: torch.optim.Optimizer | None, skipped: float | None) -> None:
         """Complete the step: sampled statistics, loss, scaler signals; stage the record; prepare the next step."""
         state, step = self._state, self._step
         try:
@@ -464,9 +610,12 @@ class Capture:
             self._state = _StepState()
             self._arm_step_hooks()
 
-    def _sampled_stats(self, optimizer: torch.optim.Optimizer, state: _StepState) -> None:
+    def _sampled_stats(self, optimizer: torch.optim.Optimizer | None, state: _StepState) -> None:
         layout = self._layout
         assert layout is not None
+        if not self._param_stats:
+            self._activation_stats(state)
+            return
         device, n = self._device(), len(layout.modules)
         index = layout.index(device)
         params = [p.detach() for p in layout.params]
@@ -477,7 +626,8 @@ class Capture:
             delta_sq = stats.segment_sum(stats.tensor_norms(delta, device).square(), index, n)
             before_sq = stats.segment_sum(stats.tensor_norms(state.snapshot, device).square(), index, n)
             state.parts.append((layout.names("update_ratio"), (delta_sq / before_sq).sqrt()))
-        exp_avg_sq = [optimizer.state.get(p, {}).get("exp_avg_sq") for p in layout.params]
+        states = optimizer.state if optimizer is not None else {}
+        exp_avg_sq = [states.get(p, {}).get("exp_avg_sq") for p in layout.params]
         if any(isinstance(v, torch.Tensor) for v in exp_avg_sq):
             vs = [v if isinstance(v, torch.Tensor) else None for v in exp_avg_sq]
             gs = [p.grad if v is not None else None for p, v in zip(layout.params, vs, strict=True)]
@@ -485,6 +635,9 @@ class Capture:
             v_sum = stats.segment_sum(stats.tensor_norms(vs, device, ord=1.0), index, n)
             ratio = torch.where(v_sum > 0, g_sq / v_sum, torch.full_like(v_sum, ABSENT))
             state.parts.append((layout.names("adam_v_ratio"), ratio))
+        self._activation_stats(state)
+
+    def _activation_stats(self, state: _StepState) -> None:
         if state.acts:
             names = list(state.acts)
             calls = [torch.stack(state.acts[name]) for name in names]
@@ -495,10 +648,13 @@ class Capture:
         if state.logit_z:
             state.parts.append((["logit_z"], torch.stack(state.logit_z).mean().reshape(1)))
 
-    def _loss_and_scaler(self, optimizer: torch.optim.Optimizer, state: _StepState, skipped: float | None) -> None:
-        if state.losses:
-            device = state.losses[0].device
-            losses = [x.to(device, non_blocking=True) for x in state.losses]
+    def _loss_and_scaler(
+        self, optimizer: torch.optim.Optimizer | None, state: _StepState, skipped: float | None
+    ) -> None:
+        own = state.framework_losses or state.losses
+        if own:
+            device = own[0].device
+            losses = [x.to(device, non_blocking=True) for x in own]
             state.parts.append((["loss"], torch.stack(losses).mean().reshape(1)))
         call = self._scaler_call
         scaler = call[0] if call is not None else state.scaler
@@ -509,7 +665,7 @@ class Capture:
             state.parts.append((["loss_scale"], scale.detach().reshape(-1)[:1].clone()))
         if skipped is not None:
             state.host["skipped"] = skipped
-        elif call is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+        elif optimizer is not None and call is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
             state.parts.append((["skipped"], self._found_inf(scaler, optimizer)))
         else:
             state.host["skipped"] = 0.0
@@ -523,6 +679,7 @@ class Capture:
 
     def _submit(self, state: _StepState, step: int) -> None:
         assert self._reader is not None
+        _observed_win(state)
         rank, coords, host = self._metadata()
         staged = StagedStep(
             run_id=self.config.run_id,
@@ -568,6 +725,24 @@ class Capture:
         if count >= MAX_ERRORS and not self._disabled:
             self._disabled = True
             logger.warning("stability: %d errors in capture hooks; capture disabled for the rest of the run", count)
+
+
+def _observed_win(state: _StepState) -> None:
+    """Make observed values override Capture's own values of the same name (device ones are staged last)."""
+    if not state.observed and not state.observed_host:
+        return
+    for name in state.observed_host:
+        state.host.pop(name, None)
+    own = {n for names, _ in state.parts for n in names}
+    for name, value in list(state.observed_host.items()):
+        if name in own:  # a device value of Capture's own would win in the record: stage this one after it
+            del state.observed_host[name]
+            device = state.parts[0][1].device
+            state.observed.append((name, torch.tensor([value], dtype=torch.float64).to(device, non_blocking=True)))
+    for name, _ in state.observed:
+        state.host.pop(name, None)
+    state.host.update(state.observed_host)
+    state.parts.extend(([name], tensor) for name, tensor in state.observed)
 
 
 def _rank_and_coords(rank: int | None, extra: Mapping[str, int]) -> tuple[int, dict[str, int]]:
