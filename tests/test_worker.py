@@ -339,6 +339,18 @@ def test_archive_parts_read_back_equal_the_records(redis_client: Any, tmp_path: 
                 assert got == want
     assert table.schema.field("loss").type == pa.float64()
 
+    # at the end of the run the parts are compacted into one file per rank with the same rows, in step order
+    ArchiveSink(redis_meta(redis_client)).close(RUN)
+    files = sorted(p.name for p in (run_dir / "archive").glob("*.parquet"))
+    assert files == ["records-0.parquet", "records-1.parquet"]
+    merged = pa.concat_tables([pq.read_table(run_dir / "archive" / f) for f in files], promote_options="default")
+    assert merged.num_rows == 20 and merged.column("step").to_pylist() == list(range(10)) * 2
+    def same(row: dict[str, Any]) -> str:  # NaN-aware row comparison
+        return repr(sorted(row.items()))
+
+    merged_rows = sorted(merged.to_pylist(), key=lambda r: (r["rank"], r["step"]))
+    assert [same(r) for r in merged_rows] == [same(r) for r in rows]
+
 
 def test_archive_location(tmp_path: Path) -> None:
     meta = {"elsewhere": {"run_dir": "/not/on/this/host"}, "local": {"run_dir": str(tmp_path)}}

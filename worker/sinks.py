@@ -201,8 +201,44 @@ class ArchiveSink:
             _write_part(directory / f"part-{rank}-{entries[0].entry_id}.parquet", run_id, entries)
 
     def close(self, run_id: str) -> None:
-        """Forget the run's directory."""
-        self._dirs.pop(run_id, None)
+        """At the end of the run: compact the parts into one ``records-<rank>.parquet`` per rank, forget the run."""
+        directory = self._dirs.pop(run_id, None) or self._resolve(run_id)
+        if directory is not None and directory.is_dir():
+            compact(directory)
+
+
+def compact(directory: Path) -> None:
+    """Merge ``part-<rank>-*.parquet`` (and an earlier ``records-<rank>.parquet``) into ``records-<rank>.parquet``.
+
+    Crash-safe: the merged file is written under a temporary name and renamed before the parts are deleted, and
+    readers de-duplicate records by (rank, step), so a crash between the two steps loses and repeats nothing.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    by_rank: dict[str, list[Path]] = {}
+    for part in directory.glob("part-*.parquet"):
+        by_rank.setdefault(part.name.split("-")[1], []).append(part)
+    for rank, parts in by_rank.items():
+        target = directory / f"records-{rank}.parquet"
+        sources = ([target] if target.exists() else []) + sorted(parts, key=lambda p: _id_key(p.stem.split("-", 2)[2]))
+        table = pa.concat_tables([pq.read_table(p) for p in sources], promote_options="default")
+        fd, tmp = tempfile.mkstemp(prefix=".records-", suffix=".tmp", dir=directory)
+        os.close(fd)
+        try:
+            pq.write_table(table, tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        for part in parts:
+            part.unlink(missing_ok=True)
+        logger.info("compacted %d archive parts of rank %s into %s", len(parts), rank, target)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def archive_table(run_id: str, entries: Sequence[Entry]) -> Any:
