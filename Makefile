@@ -2,7 +2,7 @@
 PY ?= python3
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: demo test install lint redis-server
+.PHONY: demo test install lint redis-server bench
 
 demo: install
 	$(PY) -m stability.cli demo
@@ -27,3 +27,10 @@ redis-server:
 lint:
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+
+# Benchmarks: each prints ratios against a baseline measured in the same run (figures in docs/benchmarks.md).
+bench: install
+	OMP_NUM_THREADS=1 $(PY) bench/bench_overhead.py
+	$(PY) bench/bench_encoding.py
+	$(PY) bench/bench_transport.py
+	$(PY) bench/bench_drain.py
