@@ -222,15 +222,7 @@ def compact(directory: Path) -> None:
     for rank, parts in by_rank.items():
         target = directory / f"records-{rank}.parquet"
         sources = ([target] if target.exists() else []) + sorted(parts, key=lambda p: _id_key(p.stem.split("-", 2)[2]))
-        table = pa.concat_tables([pq.read_table(p) for p in sources], promote_options="default")
-        fd, tmp = tempfile.mkstemp(prefix=".records-", suffix=".tmp", dir=directory)
-        os.close(fd)
-        try:
-            pq.write_table(table, tmp)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _write_atomically(pa.concat_tables([pq.read_table(p) for p in sources], promote_options="default"), target)
         for part in parts:
             part.unlink(missing_ok=True)
         logger.info("compacted %d archive parts of rank %s into %s", len(parts), rank, target)
@@ -263,10 +255,15 @@ def archive_table(run_id: str, entries: Sequence[Entry]) -> Any:
 
 
 def _write_part(path: Path, run_id: str, entries: Sequence[Entry]) -> None:
+    _write_atomically(archive_table(run_id, entries), path)
+    logger.debug("archived %d records to %s", len(entries), path)
+
+
+def _write_atomically(table: Any, path: Path) -> None:
+    """Write a Parquet file under a temporary name and rename it, so a reader never sees half a file."""
     import pyarrow.parquet as pq
 
-    table = archive_table(run_id, entries)
-    fd, tmp = tempfile.mkstemp(prefix=".part-", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".parquet.tmp", dir=path.parent)
     os.close(fd)
     try:
         pq.write_table(table, tmp)
@@ -274,4 +271,3 @@ def _write_part(path: Path, run_id: str, entries: Sequence[Entry]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    logger.debug("archived %d records to %s", len(entries), path)
