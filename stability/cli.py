@@ -1,4 +1,4 @@
-"""The ``stability`` command: ``demo``, ``worker``, ``postmortem``."""
+"""The ``stability`` command: ``demo``, ``worker``, ``postmortem``, ``eval``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("celery_args", nargs=argparse.REMAINDER, help="extra arguments passed to celery worker")
 
+    sub.add_parser("eval", help="score the detectors on the labelled corpus (see docs/evaluation.md)", add_help=False)
+
     pm = sub.add_parser("postmortem", help="analyse a finished or failed run (run directory or CSV file)")
     pm.add_argument("source", type=Path, help="run directory or CSV file (column 'step' plus signal columns)")
     pm.add_argument("--json", dest="json_out", type=Path, default=None, help="write findings JSON here")
@@ -46,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         from stability.worker.__main__ import main as worker_main
 
         return worker_main(argv[1:])
+    if argv[:1] == ["eval"]:
+        from stability.evaluation import main as eval_main
+
+        return eval_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "demo":
