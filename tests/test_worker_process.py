@@ -91,7 +91,7 @@ def add(client: Any, steps: range) -> None:
 
 
 def archived(run_dir: Path) -> list[tuple[int, int]]:
-    parts = [pq.read_table(p, columns=["rank", "step"]) for p in sorted((run_dir / "archive").glob("part-*.parquet"))]
+    parts = [pq.read_table(p, columns=["rank", "step"]) for p in sorted((run_dir / "archive").glob("*.parquet"))]
     if not parts:
         return []
     table = pa.concat_tables(parts)
