@@ -159,12 +159,20 @@ def _start_worker(server: RedisServer, run_dir: Path) -> subprocess.Popen[bytes]
 
 
 def _wait_for_url(path: Path, timeout: float = 60.0) -> str:
+    """The URL local rank 0 published, once that server answers (a stale file from an earlier run does not)."""
+    import redis
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(FileNotFoundError):
             text = path.read_text().strip()
             if text:
-                return text
+                try:
+                    with redis.Redis.from_url(text, socket_timeout=0.5, socket_connect_timeout=0.5) as client:
+                        client.ping()
+                    return text
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    pass
         time.sleep(0.05)
     raise EmbeddedServerError(f"local rank 0 did not publish the embedded Redis URL in {path} within {timeout}s")
 

@@ -408,3 +408,22 @@ def test_transport_imports_no_service_side_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_restarted_rank_unends_a_finished_run(
+    redis_client: redis.Redis, redis_server: RedisServer, make_emitter: Callable[..., Emitter]
+) -> None:
+    """A run resumed under the same id must not look finished to the worker (ended:<rank> / drained cleared)."""
+    first = make_emitter(redis_server.url)
+    first.put(_rec(0))
+    first.close()
+    meta = keys.meta(RUN)
+    assert redis_client.hexists(meta, "ended:0")
+    redis_client.hset(meta, "drained", "1")  # what the worker writes when it has finished the run
+    redis_client.srem(keys.RUNS, RUN)
+    second = make_emitter(redis_server.url)
+    second.put(_rec(1, wall_time=time.time() + 1))
+    assert second.flush(10)
+    assert not redis_client.hexists(meta, "ended:0") and not redis_client.hexists(meta, "drained")
+    assert redis_client.sismember(keys.RUNS, RUN)
+    second.close()

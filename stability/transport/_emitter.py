@@ -347,6 +347,8 @@ class Emitter:
         if self._meta:
             pipe.hset(keys.meta(self.run_id), mapping=self._meta)
         pipe.hsetnx(keys.meta(self.run_id), "started", self._started)
+        # a rank that (re)starts un-ends itself: a resumed run must not look finished to the worker
+        pipe.hdel(keys.meta(self.run_id), f"ended:{self.rank}", "drained")
         pipe.execute()
         self._registered = True
 
