@@ -116,6 +116,9 @@ def watch(
     if not cfg.enabled:
         return Handle(cfg, None, None)
     session = Session.open(cfg)
+    # processes this one launches later (Lightning's DDP launcher, multiprocessing) join the same run
+    os.environ.setdefault("STABILITY_RUN_ID", cfg.run_id)
+    os.environ.setdefault("STABILITY_RUN_DIR", str(session.run_dir))
     try:
         capture = Capture(cfg, session.emitter, rank=session.rank).attach(model, optimizer)
     except Exception:
