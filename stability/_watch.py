@@ -7,13 +7,16 @@ import logging
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stability.config import WatchConfig
 from stability.hooks.capture import Capture
 from stability.session import Session, rank_from_env
+
+if TYPE_CHECKING:
+    from stability.hooks.guard import Guard
 
 __all__ = ["Handle", "watch"]
 
@@ -57,6 +60,12 @@ class Handle:
         """Record the identity of the current batch (for replay and skip lists)."""
         if self.capture is not None:
             self.capture.set_batch(batch_id)
+
+    def guard(self, **config: Any) -> Guard:
+        """An opt-in :class:`stability.guard.Guard` for this run (reads the worker's advice for it)."""
+        from stability.hooks.guard import Guard, GuardConfig
+
+        return Guard.for_handle(self, GuardConfig(**config))
 
     def flush(self, timeout: float = 10.0) -> None:
         """Hand every completed step to the transport."""

@@ -11,6 +11,7 @@ Per run ``R`` (all keys share the ``stability:{R}`` hash tag, so a Redis Cluster
 * ``stability:{R}:errors``       stream of rejected (malformed) entries with the reason
 * ``stability:{R}:findings:seen`` set of finding keys ``rank:kind:step`` already published (dedupe on reprocessing)
 * ``stability:{R}:trigger``      marker: a drain task for the run is already queued
+* ``stability:{R}:advice``       JSON: the worker's latest advice (rollback step, batches to skip), read by the guard
 
 Global: ``stability:runs`` (set of active run ids).
 """
@@ -70,3 +71,8 @@ def findings_seen(run_id: str) -> str:
 def trigger(run_id: str) -> str:
     """Marker that a drain task for the run is queued (at most one at a time)."""
     return f"{_run(run_id)}:trigger"
+
+
+def advice(run_id: str) -> str:
+    """The worker's latest advice for the run (JSON), polled by the training side's guard."""
+    return f"{_run(run_id)}:advice"

@@ -127,13 +127,15 @@ def _run_meta(config: WatchConfig, run_dir: Path) -> dict[str, str]:
     project = config.wandb_project or os.environ.get("WANDB_PROJECT")
     wandb = sys.modules.get("wandb")  # never import wandb here; only look at a run the script already started
     active = getattr(wandb, "run", None) if wandb is not None else None
+    mode = os.environ.get("WANDB_MODE", "online")
     if active is not None:
         project = project or getattr(active, "project", None)
         meta["wandb_run_id"] = str(getattr(active, "id", ""))
         meta["wandb_group"] = str(getattr(active, "group", "") or "")
+        mode = str(getattr(getattr(active, "settings", None), "mode", None) or mode)
     if project:
         meta["wandb_project"] = project
-        meta["wandb_mode"] = os.environ.get("WANDB_MODE", "online")
+        meta["wandb_mode"] = mode
     return meta
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,11 @@ def entries(run_id: str, steps: range, rank: int = 0) -> list[Entry]:
 SPIKE = Finding(
     kind="loss_spike", step=15, onset=14, severity=Severity.WARNING, signal="loss", value=3.0,
     message="loss jumped 5x", detector="spike", score=7.5,
-    causes=(CauseHint(cause="bad_batch", score=0.8, evidence="no gradient precursor", remedy="skip the batch"),),
+    causes=(
+        CauseHint(cause="bad_batch", score=0.8, evidence="no gradient precursor", remedy="skip the batch"),
+        CauseHint(cause="lr_too_high", score=0.3, evidence="lr rose"),
+    ),
+    skip_batches=("b14", "b15"),
 )  # fmt: skip
 NAN = Finding(
     kind="nan", step=30, onset=30, severity=Severity.ERROR, signal="loss", value=math.nan,
@@ -100,7 +105,25 @@ def test_alerts_table_and_history_in_the_offline_run(offline_wandb: Path) -> Non
     assert [(r[0], r[2], r[3], r[4]) for r in table_rows] == [
         (15, "loss_spike", "warning", "bad_batch"), (30, "nan", "error", ""), (35, "grad_vanishing", "info", ""),
     ]  # fmt: skip
-    assert table_rows[1][8] == 20  # rollback_step
+    named = [dict(zip(TABLE_COLUMNS, r, strict=True)) for r in table_rows]
+    assert {"step", "kind", "severity", "top_causes", "evidence", "remedy", "rollback_step"} <= set(TABLE_COLUMNS)
+    assert named[0]["top_causes"] == "bad_batch (0.80); lr_too_high (0.30)"
+    assert named[0]["evidence"] == "no gradient precursor" and named[0]["remedy"] == "skip the batch"
+    assert named[0]["skip_batches"] == "b14 b15"
+    assert named[1]["rollback_step"] == 20 and named[0]["rollback_step"] == -1
+
+    # one line chart per incident, of the finding's signal over its +-5 window, logged once the window is complete
+    visualize = {k: v for k, v in wandb_files.config(path).items() if k.startswith("_wandb/visualize/")}
+    assert sorted(visualize) == [
+        "_wandb/visualize/incidents/loss_spike_step15_rank0", "_wandb/visualize/incidents/nan_step30_rank0",
+    ]  # fmt: skip
+    spike_chart = visualize["_wandb/visualize/incidents/loss_spike_step15_rank0"]
+    assert spike_chart["panel_config"]["panelDefId"] == "wandb/line/v0"
+    assert spike_chart["panel_config"]["fieldSettings"] == {"x": "step", "y": "loss", "stroke": None}
+    chart_table = next(r for r in rows if "incidents/loss_spike_step15_rank0_table/path" in r)
+    data = json.loads((path.parent / "files" / chart_table["incidents/loss_spike_step15_rank0_table/path"]).read_text())
+    assert data["columns"] == ["step", "loss"] and [d[0] for d in data["data"]] == list(range(10, 21))
+    assert data["data"][2][1] == pytest.approx(10.0 - 1.2)
 
 
 def test_disabled_without_project(offline_wandb: Path) -> None:
@@ -125,3 +148,32 @@ def test_wandb_project_env_and_temp_dir(offline_wandb: Path, monkeypatch: pytest
     assert wandb_files.run_info(path)["project"] == "from-env"
     assert wandb_files.run_info(path)["group"] == "r3"
     assert [a["title"] for a in wandb_files.alerts(path)] == ["nan at step 30"]
+
+
+def test_the_findings_own_signal_is_charted_even_when_the_run_ends_inside_its_window(offline_wandb: Path) -> None:
+    """A per-module finding logs ``diag/<its signal>`` next to loss and grad norm; its window is still open when
+    the run ends (steps 8..18 wanted, 0..12 seen), so the chart is logged at close with what arrived."""
+    explosion = Finding(
+        kind="grad_explosion", step=13, onset=12, severity=Severity.ERROR, signal="grad_norm/h.1.attn",
+        value=99.0, message="h.1.attn grads exploded", detector="grad", rollback_step=9,
+    )  # fmt: skip
+    records = [
+        Entry(
+            entry_id=f"{1000 + s}-{s}",
+            rank=1,
+            record=StepRecord(
+                run_id="r4", step=s, rank=1, signals={"loss": 2.0, "grad_norm": 1.0, "grad_norm/h.1.attn": 0.5 + s}
+            ),
+        )
+        for s in range(0, 13)
+    ]
+    sink = WandbSink(lambda run_id: {"wandb_project": "p", "run_dir": str(offline_wandb)}, window=5)
+    sink.emit("r4", [replace(explosion, rank=1)], records)
+    sink.close("r4")
+    path = wandb_files.finished_run_file(offline_wandb)
+    diag = {r["diag/step"]: r for r in wandb_files.history(path) if "diag/step" in r}
+    assert sorted(diag) == list(range(8, 13))
+    assert all(r["diag/rank"] == 1 for r in diag.values())
+    assert diag[10]["diag/grad_norm/h.1.attn"] == 10.5 and diag[10]["diag/loss"] == 2.0
+    visualize = [k for k in wandb_files.config(path) if k.startswith("_wandb/visualize/")]
+    assert visualize == ["_wandb/visualize/incidents/grad_explosion_step13_rank1"]

@@ -13,6 +13,7 @@ import logging
 import redis
 
 from stability import keys
+from stability.worker.advice import AdviceSink
 from stability.worker.app import app, settings
 from stability.worker.drain import Drainer
 from stability.worker.sinks import ArchiveSink, ConsoleSink, RedisFindingsSink, Sink, redis_meta
@@ -35,7 +36,7 @@ def client() -> redis.Redis[bytes]:
 def sinks() -> list[Sink]:
     """This process's sinks (the W&B sink keeps one diagnosis run per training run)."""
     meta = redis_meta(client())
-    return [ConsoleSink(), RedisFindingsSink(client()), ArchiveSink(meta), WandbSink(meta)]
+    return [ConsoleSink(), RedisFindingsSink(client()), ArchiveSink(meta), AdviceSink(client()), WandbSink(meta)]
 
 
 def trigger_key(run_id: str) -> str:

@@ -7,11 +7,21 @@ is experimental and online-only, see service-notes §1.2). It creates a separate
 
 Per finding (deduplicated by ``(rank, kind, step)``):
 
-* a row in the table ``findings`` (``log_mode="INCREMENTAL"``: each log writes only the new rows);
+* a row in the table ``findings`` (``log_mode="INCREMENTAL"``: each log writes only the new rows), columns
+  :data:`TABLE_COLUMNS`: step, rank, kind, severity, top cause, top three causes with scores, score, evidence,
+  remedy, rollback step, batches to skip;
 * for severity >= warning, ``run.alert(...)`` (title ``"<kind> at step <step>"``, level WARN/ERROR,
   ``wait_duration=300`` s so W&B itself also throttles repeats of one title);
-* for incidents, ``diag/loss`` and ``diag/grad_norm`` of the rank for the steps within ``window`` of the incident,
-  logged against the custom step metric ``diag/step`` (so out-of-order steps are accepted).
+* for incidents, the detector signals of the rank for the steps within ``window`` of the incident: ``diag/loss``,
+  ``diag/grad_norm`` and ``diag/<the finding's signal>`` (e.g. ``diag/grad_norm/h.1.attn``), logged against the
+  custom step metric ``diag/step`` (so out-of-order steps are accepted), and, once the window is complete (or the
+  run ends), a line chart of the finding's signal over the window (``wandb.plot.line``, key
+  ``incidents/<kind>_step<step>_rank<rank>``).
+
+Linking: the run metadata written by the training side (``stability.session``) carries ``wandb_run_id``,
+``wandb_group`` and ``wandb_project`` when the training script had an active ``wandb.run``; the diagnosis run
+then uses the same project and group and names the training run in its config (``training_wandb_run_id``). It
+never writes to the training run (another process owns it).
 
 W&B failures are logged and never raised: the diagnosis must go on when W&B is unreachable.
 """
@@ -29,6 +39,7 @@ from typing import Any
 
 from stability.detectors.base import Finding, Severity
 from stability.detectors.causes import remedy as catalogue_remedy
+from stability.records import StepRecord
 from stability.worker.sinks import Entry, MetaLookup, finding_key
 
 __all__ = ["TABLE_COLUMNS", "WandbSink"]
@@ -36,12 +47,30 @@ __all__ = ["TABLE_COLUMNS", "WandbSink"]
 logger = logging.getLogger(__name__)
 
 TABLE_COLUMNS: list[str | int] = [
-    "step", "rank", "kind", "severity", "top_cause", "score", "evidence", "remedy", "rollback_step",
+    "step", "rank", "kind", "severity", "top_cause", "top_causes", "score", "evidence", "remedy", "rollback_step",
+    "skip_batches",
 ]  # fmt: skip
-"""Columns of the incremental ``findings`` table."""
+"""Columns of the incremental ``findings`` table (``rollback_step`` -1: none)."""
 
 ALERT_WAIT_S = 300
 """``wait_duration`` of every alert: W&B drops a repeat of the same title within this many seconds."""
+
+BASE_SIGNALS: tuple[str, ...] = ("loss", "grad_norm")
+"""Signals logged as ``diag/<name>`` around every incident, besides the finding's own signal."""
+
+
+@dataclass(slots=True)
+class _Window:
+    """An incident whose surrounding steps are being logged."""
+
+    rank: int
+    lo: int
+    hi: int
+    kind: str
+    step: int
+    signal: str
+    points: dict[int, float] = field(default_factory=dict)
+    """step -> value of ``signal``, for the incident's chart."""
 
 
 @dataclass(slots=True)
@@ -51,12 +80,13 @@ class _RunState:
     run: Any
     table: Any
     seen: set[str] = field(default_factory=set)
-    recent: dict[int, deque[tuple[int, float, float]]] = field(default_factory=dict)
-    """Per rank: the last ``window`` (step, loss, grad_norm)."""
-    windows: list[tuple[int, int, int]] = field(default_factory=list)
-    """Open incident windows (rank, first step, last step) still waiting for later records."""
-    logged: set[tuple[int, int]] = field(default_factory=set)
-    """(rank, step) already logged as diag/* values."""
+    recent: dict[int, deque[StepRecord]] = field(default_factory=dict)
+    """Per rank: the last ``window + 1`` records."""
+    windows: list[_Window] = field(default_factory=list)
+    """Open incident windows still waiting for later records."""
+    logged: set[tuple[int, int, str]] = field(default_factory=set)
+    """(rank, step, signal) already logged as a diag/* value."""
+    charts: int = 0
 
 
 class WandbSink:
@@ -92,6 +122,9 @@ class WandbSink:
         if state is None:
             return
         try:
+            for window in state.windows:  # the run ended before these windows filled up
+                self._chart(state, window)
+            state.windows = []
             state.run.finish()
         except Exception:
             logger.exception("%s: W&B finish failed", run_id)
@@ -137,8 +170,8 @@ class WandbSink:
 
     def _emit(self, state: _RunState, findings: Sequence[Finding], records: Sequence[Entry]) -> None:
         points = self._points(state, records)
-        for rank, lo, hi in state.windows:  # incidents of earlier batches still collecting later steps
-            self._log_range(state, rank, lo, hi, points)
+        for window in state.windows:  # incidents of earlier batches still collecting later steps
+            self._log_range(state, window, points)
         new = 0
         for f in findings:
             if finding_key(f) in state.seen:
@@ -153,41 +186,61 @@ class WandbSink:
                     level="ERROR" if f.severity is Severity.ERROR else "WARN",
                     wait_duration=ALERT_WAIT_S,
                 )
-                window = (f.rank, f.step - self._window, f.step + self._window)
+                window = _Window(f.rank, f.step - self._window, f.step + self._window, f.kind, f.step, f.signal)
                 state.windows.append(window)
-                self._log_range(state, *window, points)
+                self._log_range(state, window, points)
         if new:
             state.run.log({"findings": state.table})
         for entry in records:
-            rec = entry.record
             recent = state.recent.setdefault(entry.rank, deque(maxlen=self._window + 1))
-            recent.append((rec.step, rec.get("loss"), rec.get("grad_norm")))
+            recent.append(entry.record)
         last = {rank: max(steps) for rank, steps in points.items() if steps}
-        state.windows = [w for w in state.windows if last.get(w[0], -1) < w[2]]
+        still_open = []
+        for window in state.windows:
+            if last.get(window.rank, -1) < window.hi:
+                still_open.append(window)
+            else:
+                self._chart(state, window)
+        state.windows = still_open
 
     @staticmethod
-    def _points(state: _RunState, records: Sequence[Entry]) -> dict[int, dict[int, tuple[int, float, float]]]:
-        """(rank -> step -> (step, loss, grad_norm)) of the recent past and this batch."""
-        points: dict[int, dict[int, tuple[int, float, float]]] = {}
+    def _points(state: _RunState, records: Sequence[Entry]) -> dict[int, dict[int, StepRecord]]:
+        """rank -> step -> record, of the recent past and this batch."""
+        points: dict[int, dict[int, StepRecord]] = {}
         for rank, recent in state.recent.items():
-            points.setdefault(rank, {}).update((p[0], p) for p in recent)
+            points.setdefault(rank, {}).update((r.step, r) for r in recent)
         for entry in records:
-            rec = entry.record
-            points.setdefault(entry.rank, {})[rec.step] = (rec.step, rec.get("loss"), rec.get("grad_norm"))
+            points.setdefault(entry.rank, {})[entry.record.step] = entry.record
         return points
 
-    def _log_range(
-        self, state: _RunState, rank: int, lo: int, hi: int, points: dict[int, dict[int, tuple[int, float, float]]]
-    ) -> None:
-        for step in sorted(s for s in points.get(rank, {}) if lo <= s <= hi):
-            self._log_point(state, rank, points[rank][step])
+    def _log_range(self, state: _RunState, window: _Window, points: dict[int, dict[int, StepRecord]]) -> None:
+        names = tuple(dict.fromkeys((*BASE_SIGNALS, window.signal)))
+        by_step = points.get(window.rank, {})
+        for step in sorted(s for s in by_step if window.lo <= s <= window.hi):
+            record = by_step[step]
+            value = record.get(window.signal)
+            if value is not None:
+                window.points[step] = value
+            row = {
+                f"diag/{name}": record.get(name)
+                for name in names
+                if record.get(name) is not None and (window.rank, step, name) not in state.logged
+            }
+            if row:
+                state.logged.update((window.rank, step, k[len("diag/") :]) for k in row)
+                state.run.log({"diag/step": step, "diag/rank": window.rank, **row})
 
-    def _log_point(self, state: _RunState, rank: int, point: tuple[int, float, float]) -> None:
-        step, loss, grad_norm = point
-        if (rank, step) in state.logged:
+    def _chart(self, state: _RunState, window: _Window) -> None:
+        """Log the incident's signal over its window as a line chart (``incidents/<kind>_step<step>_rank<r>``)."""
+        if not window.points:
             return
-        state.logged.add((rank, step))
-        state.run.log({"diag/step": step, "diag/rank": rank, "diag/loss": loss, "diag/grad_norm": grad_norm})
+        import wandb
+
+        table = wandb.Table(columns=["step", window.signal], data=[[s, v] for s, v in sorted(window.points.items())])
+        title = f"{window.kind} at step {window.step} (rank {window.rank}): {window.signal}"
+        key = f"incidents/{window.kind}_step{window.step}_rank{window.rank}"
+        state.run.log({key: wandb.plot.line(table, "step", window.signal, title=title)})
+        state.charts += 1
 
 
 def _row(f: Finding) -> list[Any]:
@@ -199,10 +252,12 @@ def _row(f: Finding) -> list[Any]:
         f.kind,
         f.severity.value,
         top.cause if top else "",
+        "; ".join(f"{c.cause} ({c.score:.2f})" for c in f.causes[:3]),
         float(top.score if top else f.score),
         evidence,
         (top.remedy or catalogue_remedy(top.cause)) if top else "",
         f.rollback_step if f.rollback_step is not None else -1,
+        " ".join(f.skip_batches),
     ]
 
 
