@@ -58,10 +58,17 @@ Extension API for framework adapters (``stability.hooks.deepspeed``, ``.hf``, ``
   accumulation steps); when a step has any, the step's ``loss`` is their mean and the losses seen by the
   ``backward()`` patch for that step are ignored.
 * ``capture.end_step(skipped=...)``: ``skipped`` may be a bool, a float or a device tensor (0/1).
+* ``capture.begin_step(grads, layers=False)``: no per-layer gradient norms this step (gradients not available).
+* ``use_framework(..., own_loss=False)``: the ``backward()`` patch never supplies ``loss`` (Megatron's pipeline
+  stages call ``backward()`` on activations); only :meth:`Capture.observe_loss` / ``observe("loss", ...)`` do.
+* ``capture.set_coords({"dp": 1, "dp_size": 2, ...})``: parallel coordinates added to every later record.
+* ``with hook_scope(): ...``: adapter code running on the training thread marks itself as hook code, so the tests'
+  host-sync trap (``in_hook()``) covers it too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -69,7 +76,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec
@@ -87,7 +94,7 @@ from stability.hooks.schedules import every
 from stability.hooks.staging import ABSENT, Reader, RecordSink, StagedStep, stage
 from stability.records import MAX_ID_CHARS, MAX_NAME_CHARS
 
-__all__ = ["MAX_ERRORS", "PENDING_LIMIT", "Capture", "RecordSink", "in_hook"]
+__all__ = ["MAX_ERRORS", "PENDING_LIMIT", "Capture", "RecordSink", "hook_scope", "in_hook"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +112,17 @@ _hook_state = threading.local()
 def in_hook() -> bool:
     """True while stability hook code runs on the current thread (tests use it to forbid host syncs there)."""
     return bool(getattr(_hook_state, "active", False))
+
+
+@contextlib.contextmanager
+def hook_scope() -> Iterator[None]:
+    """Mark framework-adapter code as stability hook code on this thread (:func:`in_hook` is True inside)."""
+    previous = in_hook()
+    _hook_state.active = True
+    try:
+        yield
+    finally:
+        _hook_state.active = previous
 
 
 def _is_compiling() -> bool:
@@ -200,6 +218,7 @@ class Capture:
         self._drive_steps = False
         self._own_grad_norm = True
         self._param_stats = True
+        self._own_loss = True
 
     # ----------------------------------------------------------------------------------------------- public API
 
@@ -288,8 +307,10 @@ class Capture:
         drive_steps: bool = False,
         grad_norm: bool = True,
         param_stats: bool = True,
+        own_loss: bool = True,
     ) -> None:
         """Let framework adapter ``name`` feed this capture; see the module docstring. Never raises."""
+        self._own_loss = own_loss
         self._use_framework(name, model, optimizer, drive_steps, grad_norm, param_stats)
 
     def release_framework(self, name: str) -> None:
@@ -299,11 +320,18 @@ class Capture:
             self._drive_steps = False
             self._own_grad_norm = True
             self._param_stats = True
+            self._own_loss = True
 
-    def begin_step(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
+    def begin_step(self, grads: Sequence[torch.Tensor | None] | None = None, *, layers: bool = True) -> None:
         """The current step's gradients are final: measure them (``grads`` aligned with :attr:`measured_params`,
-        default ``param.grad``) and snapshot parameters on sampled steps. No host sync; never raises."""
-        self._begin_external(grads)
+        default ``param.grad``; ``layers=False``: no per-layer norms this step) and snapshot parameters on sampled
+        steps. No host sync; never raises."""
+        self._begin_external(grads, layers)
+
+    def set_coords(self, coords: Mapping[str, int]) -> None:
+        """Add parallel coordinates (``dp``, ``tp``, ``pp``, ``dp_size``, ...) to every later record."""
+        self._coords_arg.update({str(k): int(v) for k, v in coords.items()})
+        self._meta = None
 
     def end_step(self, *, skipped: bool | float | torch.Tensor | None = None) -> None:
         """Complete the current step (only with ``drive_steps=True``): sampled stats, loss, record. Never raises."""
@@ -458,8 +486,8 @@ class Capture:
         self._drive_steps = drive_steps
         self._own_grad_norm = grad_norm
         self._param_stats = param_stats
-        if optimizer is not None:
-            self._optimizer = optimizer
+        if optimizer is not None or model is not None:
+            self._optimizer = optimizer  # an optimizer adopted before (e.g. stepped during framework setup) is dropped
         if model is not None:
             self._roots = [model]
             self._layout = None
@@ -468,7 +496,7 @@ class Capture:
             self._arm_step_hooks()
 
     @_hook
-    def _begin_external(self, grads: Sequence[torch.Tensor | None] | None) -> None:
+    def _begin_external(self, grads: Sequence[torch.Tensor | None] | None, layers: bool) -> None:
         self._ensure_layout(None)
         layout, state = self._layout, self._state
         if layout is None:
@@ -476,7 +504,7 @@ class Capture:
         if not state.grads_measured:
             if grads is not None and len(grads) != len(layout.params):
                 raise RecordError(f"begin_step(): {len(grads)} gradients for {len(layout.params)} parameters")
-            self._measure_grads(None if grads is None else list(grads))
+            self._measure_grads(None if grads is None else list(grads), layers=layers)
         if (
             self._param_stats
             and state.snapshot is None
@@ -575,7 +603,7 @@ class Capture:
             return layout.params[0].device
         return torch.device("cpu")
 
-    def _measure_grads(self, given: list[torch.Tensor | None] | None = None) -> None:
+    def _measure_grads(self, given: list[torch.Tensor | None] | None = None, *, layers: bool = True) -> None:
         """Global and per-module gradient norms and the non-finite count, on the device.
 
         With ``use_framework(grad_norm=False)`` only the per-module norms are measured, on ``layer_every`` steps.
@@ -584,7 +612,7 @@ class Capture:
         assert layout is not None
         state = self._state
         state.grads_measured = True
-        layer_due = self._layer_due(self._step) and bool(layout.modules)
+        layer_due = layers and self._layer_due(self._step) and bool(layout.modules)
         if not self._own_grad_norm and not layer_due:
             return
         device = self._device()
@@ -651,7 +679,7 @@ class Capture:
     def _loss_and_scaler(
         self, optimizer: torch.optim.Optimizer | None, state: _StepState, skipped: float | None
     ) -> None:
-        own = state.framework_losses or state.losses
+        own = state.framework_losses or (state.losses if self._own_loss else [])
         if own:
             device = own[0].device
             losses = [x.to(device, non_blocking=True) for x in own]

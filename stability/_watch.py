@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stability.config import WatchConfig
+from stability.hooks import frameworks
 from stability.hooks.capture import Capture
 from stability.session import Session, rank_from_env
 
@@ -30,6 +31,8 @@ class Handle:
         self.config = config
         self.session = session
         self.capture = capture
+        self.owns_frameworks = False
+        """True when this handle installed the framework auto-attach hooks (auto mode)."""
 
     @property
     def run_id(self) -> str:
@@ -79,6 +82,8 @@ class Handle:
         capture, self.capture = self.capture, None
         session, self.session = self.session, None
         if capture is not None:
+            if self.owns_frameworks:
+                frameworks.uninstall()
             capture.close(timeout=min(timeout, 10.0))
         if session is not None:
             session.close(timeout=timeout)
@@ -130,7 +135,11 @@ def watch(
     os.environ.setdefault("STABILITY_RUN_DIR", str(session.run_dir))
     try:
         capture = Capture(cfg, session.emitter, rank=session.rank).attach(model, optimizer)
+        handle = Handle(cfg, session, capture)
+        if model is None and optimizer is None:  # auto mode: also attach to frameworks as they get imported
+            frameworks.install(capture)
+            handle.owns_frameworks = True
     except Exception:
         session.close()
         raise
-    return Handle(cfg, session, capture)
+    return handle
