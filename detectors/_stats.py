@@ -20,15 +20,23 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Baseline", "Prediction", "Window", "log_positive", "mad_scale", "robust_line"]
+__all__ = ["Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "plural", "robust_line"]
 
 MAD_TO_SIGMA = 1.4826
 """Consistency constant: 1.4826 * MAD estimates sigma for Gaussian data."""
 
 
+def median(values: np.ndarray) -> float:
+    """``np.median`` of a non-empty 1-d float array without its per-call overhead (~4x faster on short windows)."""
+    n = len(values)
+    lo, hi = (n - 1) // 2, n // 2
+    part = np.partition(values, (lo, hi)) if lo != hi else np.partition(values, lo)
+    return float(0.5 * (part[lo] + part[hi]))
+
+
 def mad_scale(values: np.ndarray) -> float:
     """1.4826 times the median absolute deviation of ``values`` (a robust standard deviation)."""
-    return MAD_TO_SIGMA * float(np.median(np.abs(values - np.median(values))))
+    return MAD_TO_SIGMA * median(np.abs(values - median(values)))
 
 
 def robust_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -41,8 +49,8 @@ def robust_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     if half == 0:
         return float(y[-1]), 0.0
     dx = x[half : 2 * half] - x[:half]
-    slope = float(np.median((y[half : 2 * half] - y[:half]) / dx))
-    level = float(np.median(y - slope * (x - x[-1])))
+    slope = median((y[half : 2 * half] - y[:half]) / dx)
+    level = median(y - slope * (x - x[-1]))
     return level, slope
 
 
@@ -124,7 +132,7 @@ class Baseline:
         """The baseline at ``x`` (call only when at least one point is in the window)."""
         xs, ys = self.window.x, self.window.y
         if len(ys) < self.min_points:
-            return Prediction(float(np.median(ys)), math.nan, len(ys))
+            return Prediction(median(ys), math.nan, len(ys))
         level, slope = robust_line(xs, ys)
         residuals = ys - (level + slope * (xs - xs[-1]))
         scale = max(mad_scale(residuals), self.scale_floor)
@@ -148,3 +156,8 @@ def log_positive(value: float) -> float | None:
     if value > 0 and math.isfinite(value):
         return math.log(value)
     return None
+
+
+def plural(n: int, word: str) -> str:
+    """``"1 step"``, ``"3 steps"``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

@@ -26,6 +26,11 @@ KINDS: tuple[str, ...] = (
     "grad_vanishing",
     "loss_scale_collapse",
     "bad_batch",
+    "attention_logit_growth",
+    "activation_growth",
+    "logit_divergence",
+    "rank_disagreement",
+    "plateau",
 )
 """Finding kinds produced by the built-in detectors."""
 
@@ -75,6 +80,8 @@ class Finding:
     message: str
     detector: str
     rank: int = 0
+    host: str = ""
+    """Host of ``rank`` when the records carry it (cross-rank findings name the suspect machine)."""
     end: int | None = None
     """Last step of the anomaly when known (a spike that has recovered)."""
     score: float = 0.0

@@ -91,6 +91,13 @@ _CAUSES = (
         signals="the loss level shifts and stays, without a gradient precursor.",
     ),
     Cause(
+        id="lr_too_low",
+        title="Optimisation stalled (learning rate too low or data exhausted)",
+        remedy="Check the LR schedule (decayed too early?), data repetition and the loss of held-out data; "
+        "raise the LR or stop the run if the plateau is expected.",
+        signals="log loss has not improved over a long window outside the warm-up, with the LR above its floor.",
+    ),
+    Cause(
         id="unknown",
         title="Unknown",
         remedy="Roll back to the rollback step; inspect per-layer signals around the onset.",

@@ -9,6 +9,10 @@
 * Backstop: the median of the last ``smooth`` log losses sits >= ``backstop_ratio`` (2x) over ``L`` for more than
   ``backstop_steps`` consecutive records.
 
+* Re-baseline after a divergence: ``rebaseline`` (200) records after firing with the drift still on, the window
+  is cleared and refilled from the new level (the run continues at a new regime, e.g. after an LR cut) instead of
+  staying frozen on the pre-incident level forever.
+
 Calibration on the clean baselines: with ``delta = 1``, ``clip = 5`` the largest ``S`` over all seven runs
 (~61k steps) is about 10, a third of the threshold (``delta = 0.5``, ``clip = 10`` fired 3 times).
 """
@@ -22,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._stats import Window, log_positive, mad_scale, robust_line
+from stability.detectors._stats import Window, log_positive, mad_scale, median, robust_line
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord
 
@@ -43,6 +47,7 @@ class DivergenceConfig:
     smooth: int = 5
     backstop_ratio: float = 2.0
     backstop_steps: int = 10
+    rebaseline: int = 200
 
 
 class DivergenceDetector:
@@ -59,6 +64,7 @@ class DivergenceDetector:
         self._onset: int | None = None
         self._above = 0
         self._fired = False
+        self._since_fired = 0
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
@@ -73,19 +79,23 @@ class DivergenceDetector:
         xs, ys = self._window.x, self._window.y
         level_at_end, slope = robust_line(xs, ys)
         scale = max(mad_scale(ys - (level_at_end + slope * (xs - xs[-1]))), cfg.scale_floor)
-        level = float(np.median(ys[-cfg.level_points :]))
+        level = median(ys[-cfg.level_points :])
         z = (y - level) / scale
         self._ph = max(0.0, self._ph + min(z, cfg.clip) - cfg.delta)
         if self._ph == 0.0:
             self._onset = None
         elif self._onset is None:
             self._onset = record.step
-        smoothed = float(np.median(list(self._recent)))
+        smoothed = median(np.fromiter(self._recent, dtype=np.float64))
         self._above = self._above + 1 if smoothed - level >= math.log(cfg.backstop_ratio) else 0
         if self._ph < cfg.freeze and self._above == 0:
             self._window.push(record.step, y)
             self._fired = False
         if self._fired:
+            self._since_fired += 1
+            if self._since_fired >= cfg.rebaseline:
+                self._window.clear()
+                self._ph, self._onset, self._above, self._fired, self._since_fired = 0.0, None, 0, False, 0
             return []
         if self._ph >= cfg.threshold:
             why = f"Page-Hinkley statistic {self._ph:.1f} >= {cfg.threshold:g} (sustained upward drift)"
@@ -93,7 +103,7 @@ class DivergenceDetector:
             why = f"smoothed loss >= {cfg.backstop_ratio:g}x its pre-incident level for {self._above} records"
         else:
             return []
-        self._fired = True
+        self._fired, self._since_fired = True, 0
         onset = self._onset if self._onset is not None else record.step
         ratio = math.exp(smoothed - level)
         return [Finding(
@@ -110,7 +120,8 @@ class DivergenceDetector:
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
         return {"window": self._window.state_dict(), "recent": list(self._recent), "ph": self._ph,
-                "onset": self._onset, "above": self._above, "fired": self._fired}
+                "onset": self._onset, "above": self._above, "fired": self._fired,
+                "since_fired": self._since_fired}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
@@ -120,4 +131,5 @@ class DivergenceDetector:
         self._onset = None if state["onset"] is None else int(state["onset"])
         self._above = int(state["above"])
         self._fired = bool(state["fired"])
+        self._since_fired = int(state.get("since_fired", 0))
 

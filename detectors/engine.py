@@ -7,35 +7,51 @@ INTERFACE (stable; the worker and post-mortem depend on it):
     findings += diag.finish()                  # end of run: flush pending (e.g. unconfirmed spikes)
     state = diag.state_dict(); diag2.load_state_dict(state)   # plain data (msgpack/JSON-able)
 
-Per rank it keeps one suite of detectors (NaN, loss spike, divergence, grad explosion) and a recent
-:class:`~stability.detectors.history.History` for ranking. Findings of one rank within ``fuse_steps`` of the
-open incident's last finding join that incident: only the first finding of an incident is returned (alerted);
+Per rank it keeps one suite of detectors (NaN, loss spike, divergence, grad explosion, fp16 loss scale, vanishing
+gradients, logit/activation growth, plateau) and a recent :class:`~stability.detectors.history.History` for
+ranking; across ranks a :class:`~stability.detectors.crossrank.CrossRankDetector` compares data-parallel replicas
+(its findings are on the faulty rank and name its host). A rank whose step goes backwards was resumed from a
+checkpoint: its detectors and history start afresh (new baselines) and its next finding opens a new incident.
+
+Findings of one rank within ``fuse_steps`` of the open incident's last finding (or within ``fuse_records`` records
+of it, for sparse logs) join that incident: only the first finding of an incident is returned (alerted);
 a later one is returned only when it raises the incident's severity (an escalation, e.g. a grad-norm WARNING
 followed by a loss-spike ERROR). A finding of a kind already alerted on that rank within ``cooldown_steps`` at the
 same or higher severity is not re-alerted either (it joins the last incident). Closing findings
-(``evidence["closes"]``) only set the incident's ``end``. Every finding gets ranked causes, ``rollback_step`` and
-``skip_batches`` (:func:`~stability.detectors.ranking.rank_causes`). :attr:`RunDiagnoser.incidents` lists the fused
+(``evidence["closes"]``) only set the incident's ``end``. A ``rank_disagreement`` is alerted once per incident even
+when it does not raise the severity (it names a machine to cordon). Every finding gets ranked causes (with the
+incident's earlier findings as precursors), ``rollback_step`` and ``skip_batches``
+(:func:`~stability.detectors.ranking.rank_causes`). :attr:`RunDiagnoser.incidents` lists the fused
 incidents (what ``stability postmortem`` reports).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from stability.detectors.base import Detector, Finding, Severity
+from stability.detectors.crossrank import CrossRankConfig, CrossRankDetector
 from stability.detectors.divergence import DivergenceConfig, DivergenceDetector
+from stability.detectors.fp16 import LossScaleConfig, LossScaleDetector
 from stability.detectors.grad import GradConfig, GradExplosionDetector
+from stability.detectors.growth import GrowthConfig, GrowthDetector
 from stability.detectors.history import History
 from stability.detectors.nan import NanConfig, NanDetector
-from stability.detectors.ranking import MAX_SKIP_BATCHES, rank_causes
+from stability.detectors.plateau import PlateauConfig, PlateauDetector
+from stability.detectors.ranking import KIND_CAUSE, MAX_SKIP_BATCHES, rank_causes
 from stability.detectors.spike import SpikeConfig, SpikeDetector
+from stability.detectors.vanish import GradVanishingDetector, VanishConfig
 from stability.records import StepRecord
 
 __all__ = ["DiagnoserConfig", "Incident", "RunDiagnoser"]
 
-KIND_PRIORITY = ("nan", "loss_spike", "divergence", "grad_explosion")
+logger = logging.getLogger(__name__)
+
+KIND_PRIORITY = ("rank_disagreement", "nan", "loss_spike", "divergence", "grad_explosion", "loss_scale_collapse",
+                 "grad_vanishing", "attention_logit_growth", "logit_divergence", "activation_growth", "plateau")
 """Headline preference among findings of equal severity in one incident (the loss-level event names it)."""
 
 MAX_KEPT_INCIDENTS = 16
@@ -50,8 +66,16 @@ class DiagnoserConfig:
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     grad: GradConfig = field(default_factory=GradConfig)
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    vanish: VanishConfig = field(default_factory=VanishConfig)
+    growth: GrowthConfig = field(default_factory=GrowthConfig)
+    plateau: PlateauConfig = field(default_factory=PlateauConfig)
+    crossrank: CrossRankConfig = field(default_factory=CrossRankConfig)
     fuse_steps: int = 20
     """Findings within this many steps of an incident's last finding join it."""
+    fuse_records: int = 2
+    """... or within this many records of the rank and ``cooldown_steps`` steps (sparse logs: one line every 10-100
+    steps)."""
     cooldown_steps: int = 100
     """No second alert of the same kind and severity on a rank within this many steps."""
     history_steps: int = 256
@@ -116,22 +140,38 @@ class _RankSuite:
     """Detectors, history and incident bookkeeping of one rank."""
 
     def __init__(self, config: DiagnoserConfig) -> None:
-        self.detectors: list[Detector] = [NanDetector(config.nan), SpikeDetector(config.spike),
-                          DivergenceDetector(config.divergence), GradExplosionDetector(config.grad)]
+        self.detectors: list[Detector] = [
+            NanDetector(config.nan), SpikeDetector(config.spike), DivergenceDetector(config.divergence),
+            GradExplosionDetector(config.grad), LossScaleDetector(config.loss_scale),
+            GradVanishingDetector(config.vanish), GrowthDetector(config.growth), PlateauDetector(config.plateau),
+        ]
         self.history = History(steps=config.history_steps, module_steps=config.module_history_steps,
                                max_series=config.max_series)
         self.last_alert: dict[str, tuple[int, int]] = {}
         """kind -> (step, severity rank) of its last alert."""
+        self.last_step = -1
+        self.records = 0
+        """Records seen (fusion of sparse logs counts records, not only steps)."""
+        self.host = ""
+        """Host of the rank (from its latest record); every finding of the rank names it."""
+        self.incident_record = -1
+        """Value of ``records`` at the open incident's last finding."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"detectors": {d.name: d.state_dict() for d in self.detectors}, "history": self.history.state_dict(),
-                "last_alert": {k: list(v) for k, v in self.last_alert.items()}}
+                "last_alert": {k: list(v) for k, v in self.last_alert.items()}, "last_step": self.last_step,
+                "records": self.records, "incident_record": self.incident_record, "host": self.host}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for detector in self.detectors:
-            detector.load_state_dict(state["detectors"][detector.name])
+            if detector.name in state["detectors"]:  # a state from before a detector was added keeps it fresh
+                detector.load_state_dict(state["detectors"][detector.name])
         self.history.load_state_dict(state["history"])
         self.last_alert = {k: (int(v[0]), int(v[1])) for k, v in state["last_alert"].items()}
+        self.last_step = int(state.get("last_step", -1))
+        self.records = int(state.get("records", 0))
+        self.incident_record = int(state.get("incident_record", -1))
+        self.host = str(state.get("host", ""))
 
 
 class RunDiagnoser:
@@ -144,6 +184,9 @@ class RunDiagnoser:
         """Every incident seen by this object, in order of creation."""
         self._open: dict[int, Incident] = {}
         """Last incident of each rank (findings may still join it)."""
+        self._crossrank = CrossRankDetector(self.config.crossrank)
+        self.resumes: list[tuple[int, int, int]] = []
+        """(rank, last step before, first step after) of every detected resume (step going backwards)."""
 
     def _suite(self, rank: int) -> _RankSuite:
         suite = self._ranks.get(rank)
@@ -154,11 +197,29 @@ class RunDiagnoser:
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record; return the findings to alert on."""
         suite = self._suite(record.rank)
+        if record.step < suite.last_step:
+            suite = self._resume(record.rank, suite.last_step, record.step)
+        suite.last_step = record.step
+        suite.records += 1
+        suite.host = record.host or suite.host
         suite.history.push(record)
         found: list[Finding] = []
         for detector in suite.detectors:
             found.extend(detector.update(record))
-        return self._fuse(suite, record.rank, found)
+        decided = self._crossrank.update(record)
+        alerts = self._fuse(suite, record.rank, found)
+        for finding in decided:
+            alerts += self._fuse(self._suite(finding.rank), finding.rank, [finding])
+        return alerts
+
+    def _resume(self, rank: int, before: int, after: int) -> _RankSuite:
+        """``rank`` went back from ``before`` to ``after``: fresh detectors and history, a new incident next."""
+        logger.info("rank %d resumed: step %d after step %d; re-baselining its detectors", rank, after, before)
+        self.resumes.append((rank, before, after))
+        suite = self._ranks[rank] = _RankSuite(self.config)
+        self._open.pop(rank, None)
+        self._crossrank.reset(after)
+        return suite
 
     def finish(self) -> list[Finding]:
         """Flush what the detectors hold back (unconfirmed spikes) at the end of the records."""
@@ -170,6 +231,8 @@ class RunDiagnoser:
                 if flush is not None:
                     found.extend(flush())
             out.extend(self._fuse(suite, rank, found))
+        for finding in self._crossrank.finish():
+            out += self._fuse(self._suite(finding.rank), finding.rank, [finding])
         return out
 
     def _fuse(self, suite: _RankSuite, rank: int, found: list[Finding]) -> list[Finding]:
@@ -178,9 +241,14 @@ class RunDiagnoser:
             if raw.evidence.get("closes"):
                 self._close(rank, raw)
                 continue
-            ranking = rank_causes(raw, suite.history)
+            incident = self._open.get(rank)
+            recent = list(incident.findings) if incident is not None else []
+            suspect = self._crossrank.suspect(rank, raw.step) if raw.kind != "rank_disagreement" else None
+            if suspect is not None:
+                recent.append(suspect)
+            ranking = rank_causes(raw, suite.history, recent)
             finding = dataclasses.replace(raw, causes=ranking.causes, rollback_step=ranking.rollback_step,
-                                          skip_batches=ranking.skip_batches)
+                                          skip_batches=ranking.skip_batches, host=raw.host or suite.host)
             if self._join(suite, rank, finding):
                 alerts.append(finding)
         return alerts
@@ -191,14 +259,22 @@ class RunDiagnoser:
         incident = self._open.get(rank)
         last = suite.last_alert.get(finding.kind)
         cooled = last is not None and finding.step - last[0] < cfg.cooldown_steps and last[1] >= finding.severity.rank
-        if incident is not None and (finding.step - incident.last_step <= cfg.fuse_steps or cooled):
+        gap = finding.step - incident.last_step if incident is not None else cfg.cooldown_steps + 1
+        near = gap <= cfg.fuse_steps or (gap <= cfg.cooldown_steps
+                                          and suite.records - suite.incident_record <= cfg.fuse_records)
+        suite.incident_record = suite.records
+        if incident is not None and (near or cooled):
+            new_machine = finding.kind == "rank_disagreement" and finding.kind not in incident.kinds
+            head = incident.headline
             incident.findings.append(finding)
+            if finding.kind in KIND_CAUSE and incident.headline is head and head is not finding:
+                self._rerank(suite, incident, head)
             incident.last_step = max(incident.last_step, finding.step)
             if finding.end is not None:
                 incident.end = max(incident.end or finding.end, finding.end)
-            if finding.severity.rank <= incident.alerted.rank:
+            if finding.severity.rank <= incident.alerted.rank and not new_machine:
                 return False
-            incident.alerted = finding.severity
+            incident.alerted = max(incident.alerted, finding.severity, key=lambda s: s.rank)
         else:
             incident = Incident(rank=rank, findings=[finding], alerted=finding.severity, last_step=finding.step,
                                 end=finding.end)
@@ -206,6 +282,14 @@ class RunDiagnoser:
             self.incidents.append(incident)
         suite.last_alert[finding.kind] = (finding.step, finding.severity.rank)
         return True
+
+    @staticmethod
+    def _rerank(suite: _RankSuite, incident: Incident, head: Finding) -> None:
+        """Rank the headline again with a structural finding that joined later (one incident, all evidence)."""
+        ranking = rank_causes(head, suite.history, incident.findings)
+        index = next(i for i, f in enumerate(incident.findings) if f is head)
+        incident.findings[index] = dataclasses.replace(head, causes=ranking.causes,
+                                                       rollback_step=ranking.rollback_step)
 
     def _close(self, rank: int, closing: Finding) -> None:
         for incident in reversed(self.incidents):
@@ -225,6 +309,7 @@ class RunDiagnoser:
         return {
             "version": 1,
             "ranks": {str(r): s.state_dict() for r, s in self._ranks.items()},
+            "crossrank": self._crossrank.state_dict(),
             "incidents": [i.to_state() for r in sorted(kept) for i in kept[r][-MAX_KEPT_INCIDENTS:]],
         }
 
@@ -235,3 +320,6 @@ class RunDiagnoser:
             self._suite(int(rank)).load_state_dict(suite_state)
         self.incidents = [Incident.from_state(i) for i in state["incidents"]]
         self._open = {i.rank: i for i in self.incidents}
+        self._crossrank = CrossRankDetector(self.config.crossrank)
+        if "crossrank" in state:
+            self._crossrank.load_state_dict(state["crossrank"])

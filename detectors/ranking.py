@@ -1,17 +1,29 @@
 """Root-cause ranking: structural rules over a rank's recent history (root-causes.md section 3, triage order).
 
-For a finding with onset ``t0`` the rules look for precursors in the records just before it:
+Structure and evidence first, statistics only to confirm or break ties. For a finding with onset ``t0``:
 
+* Findings that name their cause (:data:`KIND_CAUSE`): ``loss_scale_collapse`` -> ``fp16_loss_scale``,
+  ``rank_disagreement`` -> ``hardware_fault``, ``attention_logit_growth`` -> ``attention_logit_growth``,
+  ``logit_divergence`` -> ``output_logit_divergence``, ``grad_vanishing`` -> ``vanishing_gradients``,
+  ``activation_growth`` -> ``lr_too_high`` (weak), ``plateau`` -> ``lr_too_low``. The same findings earlier in the
+  incident (up to 100 steps before ``t0``, or up to 10 steps after it, weaker) are precursors of a loss event.
 * NaN -> ``numerical_nan``; ``fp16_loss_scale`` first if the loss scale collapsed (>= 4x) before it.
 * loss scale collapsing first -> ``fp16_loss_scale``.
 * a one-step jump that reverted, or a spike with no precursor -> ``bad_batch``.
-* global / per-layer grad norm or update ratio rising >= 3x in the ``lead`` steps before -> ``lr_too_high``
-  (strong when the LR itself jumped in the last 100 steps).
+* global / per-layer grad norm or update ratio rising >= 3x in the ``lead`` steps before (or a per-layer update
+  ratio >= 2x and >= 6 robust sigmas of its own log noise) -> ``lr_too_high``; strong when the LR itself jumped or
+  rose >= 1.5x (ramp) after the warm-up within 100 steps ("lr rose 23x over the 60 steps before the onset").
 * inside the LR warm-up ramp, or within 3x its length -> ``warmup_too_short``.
 * a layer's ``adam_v_ratio`` jumping 1-8 steps before -> ``adam_second_moment``.
 * ``attn_logit_max`` growth -> ``attention_logit_growth``; ``logit_z`` drift -> ``output_logit_divergence``.
 * per-layer grad norms collapsing (>= 10x down) -> ``vanishing_gradients``.
 * a level shift without precursor -> ``data_shift``; nothing matched -> ``unknown``.
+
+Confirmation: the first gradient precursor's lead over the loss is checked by cross-correlating step changes of
+both (:func:`lead_lag`, both directions): +0.05 when it leads, -0.1 when it lags. When the two best causes are
+within :data:`TIE`, a Granger test (statsmodels, imported lazily, :func:`granger_p`) breaks the tie. The max-z
+"most deviating signal" is not a rule of its own (it is what the magnitude rules measure); an IsolationForest
+feature was not added (no scenario it would decide that the rules do not).
 
 Each finding also gets ``rollback_step`` (the last recorded step before the earliest precursor) and
 ``skip_batches`` (batch ids of the anomalous steps, when the records carry them).
@@ -20,15 +32,18 @@ Each finding also gets ``rollback_step`` (the last recorded step before the earl
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from stability.detectors._stats import mad_scale, median, plural
 from stability.detectors.base import CauseHint, Finding
 from stability.detectors.causes import remedy
 from stability.detectors.history import History, Ring
 
-__all__ = ["Move", "Ranking", "find_move", "rank_causes"]
+__all__ = ["KIND_CAUSE", "Move", "Ranking", "find_move", "granger_p", "lead_lag", "lr_rise", "rank_causes",
+           "robust_move"]
 
 MAX_SKIP_BATCHES = 64
 
@@ -90,6 +105,31 @@ def find_move(ring: Ring, name: str, onset: int, *, factor: float, lead_steps: i
     return Move(name, step, float(ratios[first]), peak, onset - step)
 
 
+def robust_move(ring: Ring, name: str, onset: int, *, z_threshold: float = 6.0, factor: float = 2.0,
+                lead_steps: int = 8, ref_points: int = 64) -> Move | None:
+    """The first step in ``[onset - lead_steps, onset]`` where log ``name`` sits >= ``z_threshold`` robust sigmas
+    (MAD of the reference window, floored at 0.01) and >= ``factor`` above the reference median (update-ratio
+    anomalies: a smaller jump than :func:`find_move` needs, but far outside the layer's own noise)."""
+    if name not in ring.series:
+        return None
+    steps, values = ring.ordered(), ring.ordered(name).astype(np.float64)
+    keep = (steps <= onset) & np.isfinite(values) & (values > 0)
+    steps, logs = steps[keep], np.log(values[keep])
+    ref = logs[steps < onset - lead_steps][-ref_points:]
+    if len(ref) < 8:
+        return None
+    center = median(ref)
+    scale = max(mad_scale(ref), 0.01)
+    scan = steps >= onset - lead_steps
+    excess = logs[scan] - center
+    hit = (excess >= z_threshold * scale) & (excess >= math.log(factor))
+    if not hit.any():
+        return None
+    first = int(np.argmax(hit))
+    step = int(steps[scan][first])
+    return Move(name, step, math.exp(float(excess[first])), math.exp(float(excess.max())), onset - step)
+
+
 def _modules(ring: Ring, quantity: str) -> list[str]:
     return [name for name in ring.series if name.startswith(quantity + "/")]
 
@@ -100,7 +140,7 @@ def _earliest(moves: list[Move]) -> Move | None:
 
 
 def _fmt(move: Move, event: str) -> str:
-    when = f"{move.lead} steps before {event}" if move.lead > 0 else f"at {event}"
+    when = f"{plural(move.lead, 'step')} before {event}" if move.lead > 0 else f"at {event}"
     verb = "rose" if move.peak >= 1 else "fell"
     size = move.peak if move.peak >= 1 else 1.0 / move.peak
     return f"{move.signal} {verb} {size:.3g}x {when} (step {move.step})"
@@ -108,16 +148,44 @@ def _fmt(move: Move, event: str) -> str:
 
 def _event_name(finding: Finding) -> str:
     return {"nan": "the NaN", "loss_spike": "the loss spike", "divergence": "the divergence",
-            "grad_explosion": "the grad-norm explosion"}.get(finding.kind, f"the {finding.kind}")
+            "grad_explosion": "the grad-norm explosion", "loss_scale_collapse": "the loss-scale collapse",
+            "grad_vanishing": "the gradient collapse", "rank_disagreement": "the disagreement",
+            "attention_logit_growth": "the attention-logit growth", "activation_growth": "the activation growth",
+            "logit_divergence": "the logit drift", "plateau": "the plateau"}.get(finding.kind, f"the {finding.kind}")
 
 
 class _Hints:
     def __init__(self) -> None:
         self.best: dict[str, tuple[float, str]] = {}
+        self.signals: dict[str, str] = {}
+        """cause -> the signal its best evidence rests on (for the Granger tie-break)."""
 
-    def add(self, cause: str, score: float, evidence: str) -> None:
+    def add(self, cause: str, score: float, evidence: str, signal: str | None = None) -> None:
         if cause not in self.best or score > self.best[cause][0]:
             self.best[cause] = (score, evidence)
+            if signal is not None:
+                self.signals[cause] = signal
+            else:
+                self.signals.pop(cause, None)
+
+    def tie_break(self, history: History, t0: int) -> None:
+        """Granger tie-break of the top two causes when their scores are within ``TIE``: the one whose signal
+        better predicts the loss changes gets +0.01 (statsmodels, imported only here)."""
+        ordered = sorted(self.best.items(), key=lambda kv: -kv[1][0])
+        if len(ordered) < 2 or ordered[0][1][0] - ordered[1][1][0] > TIE:
+            return
+        tied = [c for c, _ in ordered[:2] if c in self.signals]
+        if len(tied) < 2 or self.signals[tied[0]] == self.signals[tied[1]]:
+            return
+        pvalues = {c: granger_p(history, self.signals[c], t0) for c in tied}
+        scored = [(p, c) for c, p in pvalues.items() if p is not None]
+        if not scored:
+            return
+        p, winner = min(scored)
+        if p < 0.05:
+            score, evidence = self.best[winner]
+            self.best[winner] = (score + 0.01, f"{evidence}; Granger tie-break: {self.signals[winner]} predicts the "
+                                                f"loss (p={p:.2g})")
 
     def ranked(self) -> tuple[CauseHint, ...]:
         if not self.best or max(s for s, _ in self.best.values()) < 0.3:
@@ -126,14 +194,92 @@ class _Hints:
         return tuple(CauseHint(cause=c, score=round(s, 3), evidence=e, remedy=remedy(c)) for c, (s, e) in ordered)
 
 
-def rank_causes(finding: Finding, history: History) -> Ranking:
-    """Rank catalogue causes for ``finding`` from the rank's ``history`` (which includes the finding's step)."""
+TIE = 0.02
+"""Top causes closer than this are tied (Granger tie-break)."""
+
+
+def granger_p(history: History, signal: str, t0: int, *, span: int = 64, maxlag: int = 2) -> float | None:
+    """Smallest ssr F-test p-value over lags 1..``maxlag`` that step changes of log ``signal`` Granger-cause those
+    of log loss, on the records in ``[t0 - span, t0 + maxlag]``; None when unavailable (too few points, constant
+    series, statsmodels missing)."""
+    ring = history.modules if "/" in signal else history.globals
+    if signal not in ring.series or "loss" not in history.globals.series:
+        return None
+    loss = dict(zip(history.globals.ordered().tolist(), history.globals.ordered("loss").tolist(), strict=True))
+    rows = [(loss.get(s, math.nan), v) for s, v in zip(ring.ordered().tolist(), ring.ordered(signal).tolist(),
+                                                        strict=True) if t0 - span <= s <= t0 + maxlag]
+    data = np.array([r for r in rows if r[0] > 0 and r[1] > 0 and math.isfinite(r[0]) and math.isfinite(r[1])])
+    if len(data) < 5 * maxlag + 10:
+        return None
+    changes = np.diff(np.log(data), axis=0)
+    if np.any(changes.std(axis=0) == 0):
+        return None
+    try:
+        from statsmodels.tsa.stattools import grangercausalitytests
+    except ImportError:  # optional: the tie stays a tie
+        return None
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = grangercausalitytests(changes, maxlag=maxlag)
+    except Exception:  # singular design matrices and the like: no verdict
+        return None
+    return float(min(result[lag][0]["ssr_ftest"][1] for lag in result))
+
+
+KIND_CAUSE = {
+    "loss_scale_collapse": ("fp16_loss_scale", 0.95),
+    "rank_disagreement": ("hardware_fault", 0.97),
+    "attention_logit_growth": ("attention_logit_growth", 0.9),
+    "logit_divergence": ("output_logit_divergence", 0.9),
+    "grad_vanishing": ("vanishing_gradients", 0.9),
+    "activation_growth": ("lr_too_high", 0.55),
+    "plateau": ("lr_too_low", 0.6),
+}
+"""Finding kinds that name their cause structurally, with the score of that cause."""
+
+PRECURSOR_WINDOW = 100
+"""Earlier findings of the rank within this many steps before the onset count as precursors."""
+
+FOLLOW_WINDOW = 10
+"""Structural findings of the same incident starting up to this many steps after the onset still count (weaker)."""
+
+
+def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = ()) -> Ranking:
+    """Rank catalogue causes for ``finding`` from the rank's ``history`` (which includes the finding's step).
+
+    ``recent`` are earlier findings of the same rank (the open incident): a loss-scale collapse, a rank
+    disagreement, a logit/activation growth or a gradient collapse shortly before the onset names its cause first.
+    Structure and evidence rules come first; the lead-lag of the first precursor against the loss (cross-correlation
+    both ways) confirms or weakens it.
+    """
     t0, event = finding.onset, _event_name(finding)
     hints = _Hints()
     precursors: list[Move] = []
     scale = find_move(history.globals, "loss_scale", t0, factor=4.0, lead_steps=50, lead_records=5, rise=False)
     if scale is not None and scale.lead > 0:
         precursors.append(scale)
+    structural = KIND_CAUSE.get(finding.kind)
+    if structural is not None:
+        hints.add(structural[0], structural[1] - _symptom_of_lr(finding, history, hints), finding.message)
+    for earlier in recent:
+        cause = KIND_CAUSE.get(earlier.kind)
+        if cause is None or earlier is finding or earlier.kind == finding.kind:
+            continue
+        lead = t0 - earlier.onset
+        if not -FOLLOW_WINDOW <= lead <= PRECURSOR_WINDOW:
+            continue
+        if lead > 0:
+            when, penalty = f"{plural(lead, 'step')} before {event}", 0.0
+            precursors.append(Move(earlier.signal, earlier.onset, earlier.score, earlier.score, lead))
+        elif lead == 0:
+            when, penalty = f"with {event}", 0.05
+        else:
+            when, penalty = f"{plural(-lead, 'step')} after the onset of {event}", 0.15
+        penalty += _symptom_of_lr(earlier, history, hints)
+        hints.add(cause[0], cause[1] - penalty, f"{earlier.message} ({when})", earlier.signal)
     if finding.kind == "nan":
         what = f"{finding.signal} became {finding.value} at step {finding.step}"
         if scale is not None and scale.lead > 0:
@@ -141,14 +287,89 @@ def rank_causes(finding: Finding, history: History) -> Ranking:
             hints.add("numerical_nan", 0.7, what)
         else:
             hints.add("numerical_nan", 0.95, f"{what}; no loss-scale collapse before it")
-    else:
+    elif finding.kind in ("loss_spike", "divergence", "grad_explosion", "activation_growth",
+                          "attention_logit_growth"):
         if scale is not None:
-            hints.add("fp16_loss_scale", 0.85 if scale.lead > 0 else 0.5, _fmt(scale, event))
+            hints.add("fp16_loss_scale", 0.85 if scale.lead > 0 else 0.5, _fmt(scale, event), "loss_scale")
         precursors += _gradient_rules(finding, history, hints, event)
         _slow_rules(finding, history, hints, event)
+        _overflow_rules(finding, history, hints, event)
         _data_rules(finding, hints, precursors)
+    hints.tie_break(history, t0)
     rollback = _rollback(history, min([t0] + [m.step for m in precursors]))
     return Ranking(hints.ranked(), rollback, _skip_batches(finding, history))
+
+
+GROWTH = frozenset({"attention_logit_growth", "activation_growth", "logit_divergence"})
+
+
+def _symptom_of_lr(finding: Finding, history: History, hints: _Hints) -> float:
+    """Penalty for a growth finding that started after the LR was raised (the growth is a symptom): 0.2, and the
+    LR increase becomes an ``lr_too_high`` hint; 0 otherwise."""
+    if finding.kind not in GROWTH:
+        return 0.0
+    lr = history.lr
+    jump = lr.last_jump if lr.last_jump is not None and finding.onset - 100 <= lr.last_jump <= finding.onset else None
+    rise = lr_rise(history, finding.onset)
+    if jump is not None:
+        text = f"lr raised {lr.jump_factor:.3g}x at step {jump}, before {finding.signal} started to grow"
+    elif rise is not None:
+        text = (f"lr rose {rise.factor:.3g}x over the {plural(rise.lead, 'step')} before {finding.signal} started "
+                "to grow")
+    else:
+        return 0.0
+    hints.add("lr_too_high", 0.9, text, "lr")
+    return 0.2
+
+
+def lr_rise(history: History, t0: int, *, lookback: int = 100, factor: float = 1.5) -> Move | None:
+    """A post-warm-up LR increase of at least ``factor`` within ``lookback`` steps before ``t0`` (jump or ramp).
+
+    The reference is the smallest LR in the window after the warm-up; ``Move.step`` is the first step above it.
+    """
+    lr = history.lr
+    if lr.rising or "lr" not in history.globals.series:
+        return None
+    steps, values = history.globals.ordered(), history.globals.ordered("lr").astype(np.float64)
+    start = t0 - lookback if lr.warmup_end is None else max(t0 - lookback, lr.warmup_end)
+    keep = (steps <= t0) & (steps >= start) & np.isfinite(values) & (values > 0)
+    steps, values = steps[keep], values[keep]
+    if len(values) < 2:
+        return None
+    floor = float(values[:-1].min())
+    low = int(np.flatnonzero(values[:-1] <= floor * (1 + 1e-6))[-1])  # the last step at the low level
+    ratio = float(values[-1] / values[low])
+    if ratio < factor:
+        return None
+    moved = int(steps[low + 1])
+    return Move("lr", moved, ratio, ratio, t0 - moved)
+
+
+def lead_lag(history: History, signal: str, t0: int, *, span: int = 48, max_lag: int = 6) -> tuple[int, float] | None:
+    """Cross-correlation of the step changes of log ``signal`` and log loss around ``t0``, both ways.
+
+    Returns ``(lag, ccf)`` at the peak of ``|ccf|`` over lags ``-max_lag..max_lag``: ``lag > 0`` means the
+    signal leads the loss by ``lag`` records. ``None`` when either series is too short.
+    """
+    ring = history.modules if "/" in signal else history.globals
+    if signal not in ring.series or "loss" not in history.globals.series:
+        return None
+    loss = dict(zip(history.globals.ordered().tolist(), history.globals.ordered("loss").tolist(), strict=True))
+    pairs = [(s, v, loss.get(s, math.nan)) for s, v in zip(ring.ordered().tolist(), ring.ordered(signal).tolist(),
+                                                             strict=True) if t0 - span <= s <= t0 + max_lag]
+    rows = np.array([(v, w) for _, v, w in pairs if v > 0 and w > 0 and math.isfinite(v) and math.isfinite(w)])
+    if len(rows) < 4 * max_lag:
+        return None
+    dx, dy = np.diff(np.log(rows[:, 0])), np.diff(np.log(rows[:, 1]))
+    best: tuple[int, float] | None = None
+    for lag in range(-max_lag, max_lag + 1):
+        a, b = (dx[: len(dx) - lag], dy[lag:]) if lag >= 0 else (dx[-lag:], dy[: len(dy) + lag])
+        if a.std() == 0 or b.std() == 0:
+            continue
+        ccf = float(np.corrcoef(a, b)[0, 1])
+        if best is None or abs(ccf) > abs(best[1]) + 1e-12:
+            best = (lag, ccf)
+    return best
 
 
 def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: str) -> list[Move]:
@@ -159,6 +380,7 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
     if finding.kind != "grad_explosion":
         names.insert(0, "grad_norm")
     moves = [find_move(glob if "/" not in n else mods, n, t0, factor=3.0, lead_steps=8) for n in names]
+    moves += [robust_move(mods, n, t0) for n in _modules(mods, "update_ratio")]
     rises = [m for m in moves if m is not None and m.lead > 0]
     lr = history.lr
     jumped = lr.last_jump is not None and t0 - 100 <= lr.last_jump <= t0
@@ -166,19 +388,28 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
     if jumped:
         assert lr.last_jump is not None
         lead = t0 - lr.last_jump
-        text = f"lr raised {lr.jump_factor:.3g}x at step {lr.last_jump}, {lead} steps before {event}"
+        text = f"lr raised {lr.jump_factor:.3g}x at step {lr.last_jump}, {plural(lead, 'step')} before {event}"
         if first is not None:
             text += f"; {_fmt(first, event)}"
-        hints.add("lr_too_high", 0.9, text)
+        hints.add("lr_too_high", 0.9, text, first.signal if first is not None else "lr")
         found.append(Move("lr", lr.last_jump, lr.jump_factor, lr.jump_factor, lead))
+    elif (rise := lr_rise(history, t0)) is not None:
+        text = (f"lr rose {rise.factor:.3g}x over the {plural(rise.lead, 'step')} before the onset (rising from step "
+                f"{rise.step})")
+        if first is not None:
+            text += f"; {_fmt(first, event)}"
+        hints.add("lr_too_high", 0.9 if first is not None or rise.factor >= 2.0 else 0.8, text,
+                  first.signal if first is not None else "lr")
+        found.append(rise)
     elif first is not None:
-        hints.add("lr_too_high", 0.65, f"{_fmt(first, event)}; lr unchanged")
+        hints.add("lr_too_high", *_confirm(history, first, t0, 0.65, f"{_fmt(first, event)}; lr unchanged"),
+                  first.signal)
     if first is not None:
         found.append(first)
     adam = _earliest([m for m in (find_move(mods, n, t0, factor=3.0, lead_steps=8) for n in
                                   _modules(mods, "adam_v_ratio")) if m is not None and 1 <= m.lead <= 8])
     if adam is not None:
-        hints.add("adam_second_moment", 0.85, _fmt(adam, event))
+        hints.add("adam_second_moment", 0.85, _fmt(adam, event), adam.signal)
         found.append(adam)
     falls = [m for m in (find_move(mods, n, t0, factor=10.0, lead_steps=50, rise=False) for n in
                          _modules(mods, "grad_norm")) if m is not None]
@@ -192,32 +423,72 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
     return found
 
 
-def _growth(ring: Ring, name: str, t0: int) -> tuple[float, float] | None:
-    """(first, last) finite values of ``name`` up to ``t0`` when at least 8 exist."""
+def _confirm(history: History, move: Move, t0: int, score: float, text: str) -> tuple[float, str]:
+    """Lead-lag confirmation of a precursor: +0.05 when it leads the loss (ccf), -0.1 when it lags it."""
+    link = lead_lag(history, move.signal, t0)
+    if link is None or abs(link[1]) < 0.3 or link[0] == 0:
+        return score, text
+    lag, ccf = link
+    if lag > 0:
+        return score + 0.05, f"{text}; it leads the loss by {plural(lag, 'record')} (ccf {ccf:.2f})"
+    return score - 0.1, f"{text}; but it lags the loss by {plural(-lag, 'record')} (ccf {ccf:.2f})"
+
+
+def _growth(ring: Ring, name: str, t0: int, span: int = 48) -> tuple[float, float, int] | None:
+    """(first, last, steps between) finite values of ``name`` in ``[t0 - span, t0]`` when at least 8 exist."""
     if name not in ring.series:
         return None
     steps, values = ring.ordered(), ring.ordered(name).astype(np.float64)
-    keep = (steps <= t0) & np.isfinite(values)
-    values = values[keep]
-    return (float(values[0]), float(values[-1])) if len(values) >= 8 else None
+    keep = (steps <= t0) & (steps >= t0 - span) & np.isfinite(values)
+    values, steps = values[keep], steps[keep]
+    return (float(values[0]), float(values[-1]), int(steps[-1] - steps[0])) if len(values) >= 8 else None
+
+
+ATTN_LEVEL = 30.0
+"""Attention logits below this are not blamed (healthy early training grows them from ~2 to ~15)."""
 
 
 def _slow_rules(finding: Finding, history: History, hints: _Hints, event: str) -> None:
     t0, mods, glob = finding.onset, history.modules, history.globals
     best: tuple[float, str] | None = None
     for name in _modules(mods, "attn_logit_max"):
-        pair = _growth(mods, name, t0)
-        if pair and pair[0] > 0 and pair[1] / pair[0] >= 1.5 and (best is None or pair[1] / pair[0] > best[0]):
-            best = (pair[1] / pair[0], f"{name} grew {pair[1] / pair[0]:.3g}x ({pair[0]:.3g} -> {pair[1]:.3g}) "
-                                       f"over the recorded window before {event}")
+        pair = _growth(mods, name, finding.step)
+        if pair is None or pair[0] <= 0 or pair[1] < ATTN_LEVEL:
+            continue
+        factor = pair[1] / pair[0]
+        if factor >= 1.5 and (best is None or factor > best[0]):
+            best = (factor, f"{name} grew {factor:.3g}x ({pair[0]:.3g} -> {pair[1]:.3g}) over the "
+                            f"{plural(pair[2], 'step')} up to {event}")
     if best is not None:
-        hints.add("attention_logit_growth", 0.6, best[1])
+        hints.add("attention_logit_growth", 0.85 if best[0] >= 10 else 0.75 if best[0] >= 3 else 0.5, best[1],
+                  "attn_logit_max")
     for name, ring in [("logit_z", glob)] + [(n, mods) for n in _modules(mods, "logit_z")]:
-        pair = _growth(ring, name, t0)
+        pair = _growth(ring, name, t0, span=96)
         if pair and abs(pair[1] - pair[0]) >= 2.0 and abs(pair[1]) >= 3.0:
             score = 0.7 if finding.kind == "divergence" else 0.55
             hints.add("output_logit_divergence", score, f"{name} drifted from {pair[0]:.3g} to {pair[1]:.3g} "
                                                         f"before {event}")
+
+
+def _overflow_rules(finding: Finding, history: History, hints: _Hints, event: str) -> None:
+    """A loss-scale drop (>= 2x) or frozen grad norms (skipped steps) right at the event: fp16 overflow."""
+    t0, glob = finding.onset, history.globals
+    steps = glob.ordered()
+    near = (steps >= t0 - 1) & (steps <= finding.step)
+    notes: list[str] = []
+    if "loss_scale" in glob.series:
+        scale = glob.ordered("loss_scale").astype(np.float64)
+        before = scale[(steps < t0) & np.isfinite(scale) & (scale > 0)][-8:]
+        inside = scale[(steps >= t0) & (steps <= finding.step) & np.isfinite(scale) & (scale > 0)]
+        if len(before) and len(inside) and inside.min() <= before.max() / 2:
+            notes.append(f"loss scale fell {before.max() / inside.min():.3g}x at {event}")
+    if "grad_norm" in glob.series:
+        grad = glob.ordered("grad_norm").astype(np.float64)[near]
+        frozen = int(np.sum((grad[1:] == grad[:-1]) & np.isfinite(grad[1:]) & (grad[1:] > 0)))
+        if frozen and notes:
+            notes.append(f"grad norm frozen on {plural(frozen, 'step')} (skipped steps)")
+    if notes:
+        hints.add("fp16_loss_scale", 0.8, "; ".join(notes), "loss_scale")
 
 
 def _data_rules(finding: Finding, hints: _Hints, precursors: list[Move]) -> None:

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["eval"]:
         from stability.evaluation import main as eval_main
 
-        return eval_main(argv[1:])
+        return int(eval_main(argv[1:]))
     args = _parser().parse_args(argv)
     try:
         if args.command == "demo":

@@ -3,9 +3,9 @@
 Sources:
 
 * a CSV file (:func:`load_csv`): ``step`` column required; every other numeric column is a signal (``loss``,
-  ``grad_norm``, ``grad_norm/h.3.attn``, ...); optional ``rank``, ``run_id`` and ``batch`` columns; columns with
-  no numeric cell (``episode``, ``note``) are ignored; ``nan``, ``NAN``, ``inf``, ``Infinity`` and scientific
-  notation are accepted; an empty cell means absent.
+  ``grad_norm``, ``grad_norm/h.3.attn``, ...); optional ``rank``, ``run_id``, ``batch`` and ``host`` columns;
+  columns with no numeric cell (``episode``, ``note``) are ignored; ``nan``, ``NAN``, ``inf``, ``Infinity`` and
+  scientific notation are accepted; an empty cell means absent.
 * a run directory (:func:`load_run_dir`): the worker's Parquet archive ``archive/*.parquet`` plus any spool files
   ``spool/spool-rank*.bin`` the training process could not send.
 
@@ -35,7 +35,7 @@ __all__ = ["PostmortemResult", "analyze", "load_csv", "load_csv_groups", "load_r
 
 logger = logging.getLogger(__name__)
 
-_META_COLUMNS = ("rank", "run_id", "batch")
+_META_COLUMNS = ("rank", "run_id", "batch", "host")
 _ARCHIVE_META = ("run_id", "rank", "step", "wall_time", "host", "batch", "entry_id")
 
 
@@ -109,7 +109,8 @@ def load_csv_groups(path: str | Path, group_column: str | None = None, *, step_c
         signals = {name: float(cells[i]) for i, name in signal_cols if cells[i].strip()}
         batch = cells[index["batch"]].strip() or None if "batch" in index else None
         rid = cells[index["run_id"]].strip() if "run_id" in index else ""
-        record = StepRecord(run_id=rid or default_run, step=step, rank=rank, signals=signals, batch=batch)
+        host = cells[index["host"]].strip() if "host" in index else ""
+        record = StepRecord(run_id=rid or default_run, step=step, rank=rank, signals=signals, batch=batch, host=host)
         key = cells[index[group_column]].strip() if group_column else ""
         groups.setdefault(key, {})[(rank, step)] = record
     return {key: sorted(recs.values(), key=lambda r: (r.rank, r.step)) for key, recs in groups.items()}
@@ -255,6 +256,7 @@ def _event(incident: Incident) -> dict[str, Any]:
         "rollback_step": head.rollback_step,
         "skip_batches": incident.skip_batches,
         "rank": incident.rank,
+        "host": next((f.host for f in incident.findings if f.host), ""),
         "message": head.message,
         "signal": head.signal,
         "value": _jsonable(head.value),

@@ -19,6 +19,10 @@ def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _host(event: dict[str, Any]) -> str:
+    return f", host {event['host']}" if event.get("host") else ""
+
+
 def render_text(result: PostmortemResult) -> str:
     """A plain-text summary: events table, top causes, remedy and rollback step of each event."""
     events = result.events
@@ -38,7 +42,9 @@ def render_text(result: PostmortemResult) -> str:
     for event in serious or events[:5]:
         lines.append("")
         lines.append(f"[{event['severity'].upper()}] {event['kind']} at step {event['step']} "
-                     f"(rank {event['rank']}): {event['message']}")
+                     f"(rank {event['rank']}{_host(event)}): {event['message']}")
+        if len(event.get("kinds", ())) > 1:
+            lines.append(f"  evidence from: {', '.join(event['kinds'])}")
         for cause in event["causes"][:3]:
             lines.append(f"  - {cause['cause']} ({cause['score']:.2f}): {cause['evidence']}")
         lines.append(f"  remedy: {event['remedy']}")
@@ -99,7 +105,7 @@ def render_html(result: PostmortemResult, records: Sequence[StepRecord]) -> str:
         causes = "<br>".join(f"<b>{esc(c['cause'])}</b> ({c['score']:.2f}): {esc(c['evidence'])}"
                              for c in e["causes"][:3])
         rows.append(f'<tr><td class="{e["severity"]}">{e["severity"]}</td><td>{esc(e["kind"])}</td>'
-                    f'<td>{e["rank"]}</td><td>{e["onset"]}</td><td>{e["step"]}</td><td>{_cell(e["end"])}</td>'
+                    f'<td>{e["rank"]}{esc(_host(e))}</td><td>{e["onset"]}</td><td>{e["step"]}</td><td>{_cell(e["end"])}</td>'
                     f'<td>{esc(e["message"])}</td><td>{causes}</td><td>{esc(e["remedy"])}</td>'
                     f'<td>{_cell(e["rollback_step"])}</td></tr>')
     table = ("<table><tr><th>severity</th><th>kind</th><th>rank</th><th>onset</th><th>step</th><th>end</th>"

@@ -140,3 +140,23 @@ def test_render_html_escapes_text() -> None:
     recs = [StepRecord(run_id="r", step=s, signals={"loss": 2.0 if s != 5 else math.inf}) for s in range(10)]
     page = render_html(analyze(recs, "r<x>"), recs)
     assert "r&lt;x&gt;" in page and "r<x>" not in page
+
+
+def test_multi_rank_csv_with_hosts_names_the_faulty_rank_in_json_text_and_html(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    grad = np.exp(rng.normal(0, 0.1, 300))
+    lines = ["step,rank,host,loss,grad_norm,batch"]
+    for step in range(300):
+        for rank in range(4):
+            g = grad[step] * (3.0 if rank == 2 and step == 200 else 1.0)
+            loss = 3.0 * math.exp(rng.normal(0, 0.02))
+            lines.append(f"{step},{rank},node-{rank},{loss:.6f},{g:.6f},b{step}-{rank}")
+    path = write(tmp_path, "\n".join(lines) + "\n", "dp.csv")
+    result = run(path, tmp_path / "dp.json", tmp_path / "dp.html")
+    [event] = [e for e in json.loads((tmp_path / "dp.json").read_text())["events"] if e["severity"] != "info"]
+    assert (event["kind"], event["rank"], event["host"], event["step"]) == ("rank_disagreement", 2, "node-2", 200)
+    assert event["causes"][0]["cause"] == "hardware_fault" and event["skip_batches"] == ["b200-2"]
+    assert event["rollback_step"] == 199
+    text = render_text(result)
+    assert "(rank 2, host node-2)" in text and "hardware_fault" in text
+    assert "2, host node-2" in (tmp_path / "dp.html").read_text()

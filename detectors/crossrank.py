@@ -1,0 +1,240 @@
+"""Cross-rank disagreement: data-parallel ranks that should agree, and one that does not (suspect hardware).
+
+Engine-level (all ranks of a run): per step it buffers ``grad_norm`` and ``loss`` of every rank, grouped by the
+ranks' model-parallel coordinates (ranks with equal ``coords`` apart from ``dp`` / ``world_size`` /
+``local_rank`` are data-parallel replicas). A step is decided once every expected rank reported it (expected =
+``coords["world_size"]`` when present, else every rank seen so far), or once the newest step seen is ``lag``
+(128) steps ahead. Later records of a decided step are ignored. State: at most ``lag + 1`` pending steps.
+
+Rules for a step with at least ``min_ranks`` (3) reporting replicas (2 suffice for a non-finite value):
+
+* ``grad_norm`` is computed after the gradient all-reduce, so replicas agree exactly. One rank whose value is
+  non-finite while the others are finite, or >= ``ratio`` (1.5x) away from the median of the others with a robust
+  z >= ``z_threshold`` (6; scale = MAD across ranks, floored at ``grad_floor``, 1e-3 in log) -> ERROR at once.
+* ``loss`` differs between replicas (different data) but only by noise: the same test with a scale floored at
+  ``loss_floor`` (0.05 in log), and the rank must disagree on ``persist`` (2) of the last 3 decided steps (a bad
+  batch on one rank is a one-step event, not a faulty GPU). A non-finite loss on one rank only -> ERROR at once.
+
+The finding (kind ``rank_disagreement``) is on the faulty rank and names it and its host (``StepRecord.host``).
+One finding per rank until it agrees again for ``rearm`` (20) decided steps.
+
+Calibration: exact agreement of post-reduce grad norms means a healthy run has no disagreement at all (set for
+**0 false alarms per 10k steps**); the clean real baselines are single-rank logs and raise nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from stability.detectors.base import Finding, Severity
+from stability.records import StepRecord
+
+__all__ = ["CrossRankConfig", "CrossRankDetector"]
+
+_NOT_GROUP = frozenset({"dp", "world_size", "local_rank"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CrossRankConfig:
+    """Settings of :class:`CrossRankDetector`."""
+
+    lag: int = 128
+    min_ranks: int = 3
+    ratio: float = 1.5
+    z_threshold: float = 6.0
+    grad_floor: float = 1e-3
+    loss_floor: float = 0.05
+    persist: int = 2
+    rearm: int = 20
+
+
+class CrossRankDetector:
+    """Compares data-parallel ranks step by step (see the module docstring)."""
+
+    name = "crossrank"
+    kind = "rank_disagreement"
+
+    def __init__(self, config: CrossRankConfig | None = None) -> None:
+        self.config = config or CrossRankConfig()
+        self._pending: dict[int, dict[int, list[float | None]]] = {}
+        """step -> rank -> [loss, grad_norm]."""
+        self._hosts: dict[int, str] = {}
+        self._groups: dict[int, str] = {}
+        self._world = 0
+        self._newest = -1
+        self._decided = -1
+        """Every step <= this one is decided."""
+        self._loss_flags: dict[int, deque[int]] = {}
+        self._quiet: dict[int, int] = {}
+        """rank -> decided steps since its last disagreement (absent = armed)."""
+        self._just_decided: dict[int, Finding] = {}
+        """Disagreements decided by the current :meth:`update` call (transient, for :meth:`suspect`)."""
+
+    def update(self, record: StepRecord) -> list[Finding]:
+        """Buffer one record; return the findings of the steps this record lets us decide."""
+        rank = record.rank
+        self._just_decided = {}
+        self._hosts[rank] = record.host or self._hosts.get(rank, "")
+        self._groups[rank] = ",".join(f"{k}={v}" for k, v in sorted(record.coords.items()) if k not in _NOT_GROUP)
+        self._world = max(self._world, int(record.coords.get("world_size", 0)))
+        if record.step <= self._decided:
+            return []
+        self._pending.setdefault(record.step, {})[rank] = [_value(record, "loss"), _value(record, "grad_norm")]
+        self._newest = max(self._newest, record.step)
+        out: list[Finding] = []
+        expected = max(self._world, len(self._hosts))
+        while self._pending:
+            step = min(self._pending)
+            if len(self._pending[step]) < expected and step > self._newest - self.config.lag:
+                break
+            out += self._decide(step, self._pending.pop(step))
+            self._decided = step
+        return out
+
+    def suspect(self, rank: int, step: int) -> Finding | None:
+        """Provisional verdict on ``rank`` at ``step``, for ranking a finding of that rank's own detectors.
+
+        From the replicas that reported the step so far (or the step just decided): ``rank``'s post-reduce
+        ``grad_norm`` is non-finite or >= ``ratio`` away from the others, which agree with each other. Since the
+        caller's finding says this rank's own series jumped, one other replica is enough to tell which side is
+        off. Returns a ``rank_disagreement`` finding that is not alerted (the decision comes once the step is
+        complete); it lets the first alert of a faulty rank already name ``hardware_fault``.
+        """
+        if rank in self._just_decided and self._just_decided[rank].step == step:
+            return self._just_decided[rank]
+        values = self._pending.get(step)
+        own = None if values is None or rank not in values else values[rank][1]
+        if values is None or own is None:
+            return None
+        group = self._groups.get(rank, "")
+        others = [v for r, (_, v) in values.items()
+                  if r != rank and v is not None and self._groups.get(r, "") == group]
+        finite = [v for v in others if math.isfinite(v)]
+        if not others or len(finite) < len(others) or max(finite) > min(finite) * self.config.ratio:
+            return None
+        mine, middle = own, float(np.median(finite))
+        if math.isfinite(mine) and max(mine, middle) < self.config.ratio * min(mine, middle):
+            return None
+        return self._finding(step, rank, "grad_norm", mine, middle, math.inf, len(others) + 1)
+
+    def reset(self, step: int) -> None:
+        """A rank went back to ``step`` (a resume): forget pending steps and accept steps >= ``step`` again."""
+        self._pending = {}
+        self._decided = step - 1
+        self._newest = step - 1
+
+    def finish(self) -> list[Finding]:
+        """Decide every pending step with the ranks that reported it."""
+        out: list[Finding] = []
+        for step in sorted(self._pending):
+            out += self._decide(step, self._pending.pop(step))
+            self._decided = step
+        return out
+
+    def _decide(self, step: int, values: dict[int, list[float | None]]) -> list[Finding]:
+        groups: dict[str, list[int]] = {}
+        for rank in sorted(values):
+            groups.setdefault(self._groups.get(rank, ""), []).append(rank)
+        out: list[Finding] = []
+        suspects: dict[int, tuple[str, float, float, float, bool]] = {}
+        for ranks in groups.values():
+            for index, (signal, floor) in enumerate((("loss", self.config.loss_floor),
+                                                     ("grad_norm", self.config.grad_floor))):
+                got = {r: v for r in ranks if (v := values[r][index]) is not None}
+                for rank, (other, _, z, nonfinite) in self._odd(got, floor).items():
+                    if rank not in suspects or signal == "grad_norm":
+                        suspects[rank] = (signal, got[rank], other, z, nonfinite)
+        for rank in values:
+            flags = self._loss_flags.setdefault(rank, deque(maxlen=3))
+            suspect = suspects.get(rank)
+            flags.append(1 if suspect is not None and suspect[0] == "loss" and not suspect[4] else 0)
+            if suspect is None:
+                if rank in self._quiet:
+                    self._quiet[rank] += 1
+                    if self._quiet[rank] >= self.config.rearm:
+                        del self._quiet[rank]
+                continue
+            signal, value, other, z, nonfinite = suspect
+            if signal == "loss" and not nonfinite and sum(flags) < self.config.persist:
+                continue
+            armed = rank not in self._quiet
+            self._quiet[rank] = 0
+            finding = self._finding(step, rank, signal, value, other, z, len(values))
+            self._just_decided[rank] = finding
+            if armed:
+                out.append(finding)
+        return out
+
+    def _odd(self, got: dict[int, float], floor: float) -> dict[int, tuple[float, float, float, bool]]:
+        """rank -> (median of the others, ratio, robust z, non-finite) for the one rank that disagrees."""
+        if len(got) < 2:
+            return {}
+        finite = {r: v for r, v in got.items() if math.isfinite(v) and v > 0}
+        bad = [r for r, v in got.items() if not math.isfinite(v)]
+        if len(bad) == 1 and len(finite) >= 1:
+            others = float(np.median(list(finite.values())))
+            return {bad[0]: (others, math.inf, math.inf, True)}
+        if bad or len(finite) < self.config.min_ranks:
+            return {}
+        ranks = sorted(finite)
+        logs = np.log(np.array([finite[r] for r in ranks]))
+        center = float(np.median(logs))
+        deviation = np.abs(logs - center)
+        worst = int(np.argmax(deviation))
+        rest = np.delete(logs, worst)
+        rest_center = float(np.median(rest))
+        scale = max(1.4826 * float(np.median(np.abs(rest - rest_center))), floor)
+        z = abs(float(logs[worst]) - rest_center) / scale
+        ratio = math.exp(abs(float(logs[worst]) - rest_center))
+        if ratio < self.config.ratio or z < self.config.z_threshold:
+            return {}
+        # only one rank may disagree: the second worst must agree with the rest
+        if len(rest) >= 2:
+            second = float(np.max(np.abs(rest - rest_center)))
+            if math.exp(second) >= self.config.ratio and second / scale >= self.config.z_threshold:
+                return {}
+        return {ranks[worst]: (math.exp(rest_center), ratio, z, False)}
+
+    def _finding(self, step: int, rank: int, signal: str, value: float, other: float, z: float,
+                 n: int) -> Finding:
+        host = self._hosts.get(rank, "")
+        where = f"rank {rank}" + (f" (host {host})" if host else "")
+        message = (f"{where} disagrees with the other {n - 1} data-parallel ranks at step {step}: {signal} "
+                   f"{value:.4g} vs {other:.4g} on the others")
+        return Finding(kind=self.kind, step=step, onset=step, severity=Severity.ERROR, signal=signal, value=value,
+                       message=message, detector=self.name, rank=rank, host=host,
+                       score=z if math.isfinite(z) else 1e9,
+                       evidence={"others": other, "ratio": value / other if other > 0 else math.inf,
+                                 "z": z, "ranks": float(n)})
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state (bounded: at most ``lag + 1`` pending steps)."""
+        return {"pending": [[s, [[r, v] for r, v in d.items()]] for s, d in self._pending.items()],
+                "hosts": [[r, h] for r, h in self._hosts.items()], "groups": [[r, g] for r, g in self._groups.items()],
+                "world": self._world, "newest": self._newest, "decided": self._decided,
+                "loss_flags": [[r, list(f)] for r, f in self._loss_flags.items()],
+                "quiet": [[r, q] for r, q in self._quiet.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._pending = {int(s): {int(r): [None if x is None else float(x) for x in v] for r, v in d}
+                         for s, d in state["pending"]}
+        self._hosts = {int(r): str(h) for r, h in state["hosts"]}
+        self._groups = {int(r): str(g) for r, g in state["groups"]}
+        self._world = int(state["world"])
+        self._newest, self._decided = int(state["newest"]), int(state["decided"])
+        self._loss_flags = {int(r): deque((int(x) for x in f), maxlen=3) for r, f in state["loss_flags"]}
+        self._quiet = {int(r): int(q) for r, q in state["quiet"]}
+
+
+def _value(record: StepRecord, name: str) -> float | None:
+    """The signal's value, ``None`` when absent or non-positive (a norm printed as 0 was not computed)."""
+    value = record.signals.get(name)
+    if value is None or (math.isfinite(value) and value <= 0):
+        return None
+    return float(value)

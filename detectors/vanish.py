@@ -1,0 +1,208 @@
+"""Vanishing gradients: global or per-layer gradient norms collapsing, or updates that no longer move a layer.
+
+Rules, per rank (log space; a series is only judged on the records that carry it, so a per-layer signal sampled
+every ``stats_every`` steps works too):
+
+* **Collapse against its own history**: ``grad_norm`` or ``grad_norm/<module>`` at least ``factor`` (100x) below
+  the median of its last ``window`` (64) accepted values (at least ``min_points``, 16), for ``persist`` (5)
+  consecutive records. Low points are not accepted, so the reference stays at the pre-collapse level; after
+  ``rebaseline`` records at the new level it becomes the reference (a new regime, reported once).
+* **Collapse against the other layers**: a layer's ``grad_norm/<module>`` at least ``layer_factor`` (1e4x) below
+  the median over all layers of that record, for ``persist`` records (dead layers from a bad initialisation are
+  low from the start and have no history to fall from).
+* **Frozen updates**: ``update_ratio/<module>`` below ``min_update_ratio`` (1e-6) for ``persist`` records while the
+  LR is above ``lr_floor`` (1%) of its peak (a decayed LR legitimately stops the updates).
+
+Each rule gives a ``grad_vanishing`` WARNING naming the layer. Calibration: the clean llm.c baseline (the only
+one with a grad norm) falls 57x from step 0 (15.4) to its median 0.27, and never 100x below its trailing
+median; per-layer norms of healthy transformers stay within ~10^2 of each other. Defaults are set for **0 false
+alarms per 10k steps** on the clean baselines (measured: 0 over ~61k steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from stability.detectors._stats import Window, median
+from stability.detectors.base import Finding, Severity
+from stability.records import StepRecord, split_signal
+
+__all__ = ["VanishConfig", "GradVanishingDetector"]
+
+_TINY = 1e-30
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VanishConfig:
+    """Settings of :class:`GradVanishingDetector`."""
+
+    window: int = 64
+    min_points: int = 16
+    factor: float = 100.0
+    layer_factor: float = 1e4
+    min_layers: int = 4
+    persist: int = 5
+    rebaseline: int = 200
+    min_update_ratio: float = 1e-6
+    lr_floor: float = 0.01
+    max_series: int = 512
+
+
+class _Series:
+    """Reference window and alarm state of one series."""
+
+    def __init__(self, window: int) -> None:
+        self.win = Window(window)
+        self.low = 0
+        self.low_onset: int | None = None
+        self.fired = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"win": self.win.state_dict(), "low": self.low, "low_onset": self.low_onset, "fired": self.fired}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.win.load_state_dict(state["win"])
+        self.low, self.low_onset, self.fired = int(state["low"]), state["low_onset"], bool(state["fired"])
+
+
+class GradVanishingDetector:
+    """Streaming vanishing-gradient detector for one rank (see the module docstring)."""
+
+    name = "vanish"
+    kind = "grad_vanishing"
+
+    def __init__(self, config: VanishConfig | None = None) -> None:
+        self.config = config or VanishConfig()
+        self._series: dict[str, _Series] = {}
+        self._lr_peak = 0.0
+
+    def _get(self, name: str) -> _Series | None:
+        series = self._series.get(name)
+        if series is None and len(self._series) < self.config.max_series:
+            series = self._series[name] = _Series(self.config.window)
+        return series
+
+    def update(self, record: StepRecord) -> list[Finding]:
+        """Consume one record."""
+        cfg = self.config
+        lr = record.get("lr")
+        if math.isfinite(lr) and lr > self._lr_peak:
+            self._lr_peak = lr
+        layer_logs: dict[str, float] = {}
+        out: list[Finding] = []
+        for name in sorted(record.signals):
+            quantity, module = split_signal(name)
+            value = record.signals[name]
+            if not math.isfinite(value) or value < 0:
+                continue
+            if quantity == "grad_norm":
+                y = math.log(max(value, _TINY))
+                if module is not None:
+                    layer_logs[name] = y
+                out += self._history_rule(record, name, y)
+            elif quantity == "update_ratio" and module is not None:
+                lr_ok = not math.isfinite(lr) or self._lr_peak <= 0 or lr >= cfg.lr_floor * self._lr_peak
+                low = value < cfg.min_update_ratio and lr_ok
+                out += self._persist(record, name + "#frozen", low, value,
+                                     f"{name} = {value:.3g} < {cfg.min_update_ratio:g}: the layer no longer moves",
+                                     {"ratio": value})
+        out = _one_per_rule(out)
+        if len(layer_logs) >= cfg.min_layers:
+            middle = median(np.fromiter(layer_logs.values(), dtype=np.float64))
+            for name, y in layer_logs.items():
+                below = math.exp(middle - y)
+                out += self._persist(record, name + "#layers", below >= cfg.layer_factor, math.exp(y),
+                                     f"{name} is {below:.3g}x below the median layer ({math.exp(middle):.3g})",
+                                     {"factor": below})
+        return _one_per_rule(out)
+
+    def _history_rule(self, record: StepRecord, name: str, y: float) -> list[Finding]:
+        cfg = self.config
+        series = self._get(name)
+        if series is None:
+            return []
+        if len(series.win) < cfg.min_points:
+            series.win.push(record.step, y)
+            return []
+        ref = median(series.win.y)
+        if y > ref - math.log(cfg.factor):
+            series.low, series.low_onset, series.fired = 0, None, False
+            series.win.push(record.step, y)
+            return []
+        series.low += 1
+        if series.low_onset is None:
+            series.low_onset = record.step
+        if series.low >= cfg.rebaseline:
+            series.win.clear()
+            series.win.push(record.step, y)
+            series.low, series.low_onset = 0, None
+            return []
+        if series.low < cfg.persist or series.fired:
+            return []
+        series.fired = True
+        factor = math.exp(ref - y)
+        where = "the global gradient norm" if "/" not in name else f"layer {split_signal(name)[1]}"
+        return [self._finding(record, name, series.low_onset, math.exp(y),
+                              f"{name} collapsed {factor:.3g}x below its recent median {math.exp(ref):.3g} for "
+                              f"{series.low} records ({where})", {"factor": factor, "baseline": math.exp(ref)})]
+
+    def _persist(self, record: StepRecord, key: str, low: bool, value: float, what: str,
+                 evidence: dict[str, float]) -> list[Finding]:
+        series = self._get(key)
+        if series is None:
+            return []
+        if not low:
+            series.low, series.low_onset, series.fired = 0, None, False
+            return []
+        series.low += 1
+        if series.low_onset is None:
+            series.low_onset = record.step
+        if series.low < self.config.persist or series.fired:
+            return []
+        series.fired = True
+        signal = key.split("#", 1)[0]
+        return [self._finding(record, signal, series.low_onset, value, f"{what} for {series.low} records",
+                              evidence)]
+
+    def _finding(self, record: StepRecord, signal: str, onset: int, value: float, message: str,
+                 evidence: dict[str, float]) -> Finding:
+        return Finding(kind=self.kind, step=record.step, onset=onset, severity=Severity.WARNING, signal=signal,
+                       value=value, message=message, detector=self.name, rank=record.rank, host=record.host,
+                       score=evidence.get("factor", 1.0), evidence=evidence)
+
+    def finish(self) -> list[Finding]:
+        """Nothing to flush."""
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state."""
+        return {"series": {k: v.state_dict() for k, v in self._series.items()}, "lr_peak": self._lr_peak}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._series = {}
+        for name, series_state in state["series"].items():
+            series = self._series[name] = _Series(self.config.window)
+            series.load_state_dict(series_state)
+        self._lr_peak = float(state["lr_peak"])
+
+
+def _one_per_rule(found: list[Finding]) -> list[Finding]:
+    """At most one finding per quantity and record (the most extreme layer, naming how many more): no storm."""
+    best: dict[str, tuple[Finding, int]] = {}
+    for finding in found:
+        key = split_signal(finding.signal)[0] + ("/" if "/" in finding.signal else "")
+        kept = best.get(key)
+        if kept is None:
+            best[key] = (finding, 1)
+        else:
+            extreme = finding if finding.score > kept[0].score or (
+                finding.score == kept[0].score and finding.value < kept[0].value) else kept[0]
+            best[key] = (extreme, kept[1] + 1)
+    return [f if n == 1 else dataclasses.replace(f, message=f"{f.message} ({n - 1} more layers too)")
+            for f, n in best.values()]
