@@ -47,7 +47,13 @@ def rank_from_env() -> tuple[int, int, int]:
     except Exception:  # pragma: no cover - torch without distributed
         pass
     env = os.environ
-    return int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    local = int(env.get("LOCAL_RANK", "0"))
+    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if env.get(name, "").isdigit():
+            return int(env[name]), local, int(env.get("WORLD_SIZE", "1"))
+    # Lightning's DDP launcher sets only LOCAL_RANK/NODE_RANK for the processes it starts; on one node that is it
+    rank = local if env.get("NODE_RANK", "0") == "0" else 0
+    return rank, local, int(env.get("WORLD_SIZE", "1"))
 
 
 @dataclass

@@ -201,3 +201,22 @@ def test_ddp_two_cpu_processes(tmp_path: Path) -> None:
     assert outs[0]["losses"] != outs[1]["losses"]  # each rank saw its own shard of the data
     norms = [[r["signals"]["grad_norm"] for r in out["records"]] for out in outs]
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)  # DDP all-reduced the gradients
+
+
+def test_ddp_under_stability_auto_with_embedded_redis(tmp_path: Path) -> None:
+    """The one-import path with Lightning DDP: both ranks land in one run, in their own streams, all steps kept."""
+    from stability.postmortem import load_run_dir
+
+    script = Path(__file__).with_name("_lightning_ddp_auto.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STABILITY_", "WANDB_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", STABILITY_RUN_DIR=str(tmp_path / "run"))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(name, None)
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = load_run_dir(tmp_path / "run")
+    assert sorted((r.rank, r.step) for r in records) == [(rank, s) for rank in (0, 1) for s in range(5)]
+    assert {r.run_id for r in records} == {records[0].run_id}
+    assert all("loss" in r.signals and "grad_norm" in r.signals for r in records)
