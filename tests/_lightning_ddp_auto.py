@@ -13,8 +13,8 @@ import stability.auto  # noqa: F401  - the one line a user adds
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import lightning.pytorch as L  # noqa: E402
-from test_lightning import Regressor, loader  # noqa: E402
+import lightning.pytorch as L
+from test_lightning import Regressor, loader
 
 if __name__ == "__main__":
     trainer = L.Trainer(
