@@ -113,6 +113,11 @@ def render_html(result: PostmortemResult, records: Sequence[StepRecord]) -> str:
              if rows else "<p>No instability detected.</p>")
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>stability post-mortem: "
             f"{esc(result.run_id)}</title><style>{_CSS}</style></head><body>"
-            f"<h1>Post-mortem of {esc(result.run_id)}</h1><p>{result.steps} steps, ranks "
-            f"{', '.join(map(str, result.ranks))}, {len(events)} events.</p>{_svg(records, events)}"
+            f"<h1>Post-mortem of {esc(result.run_id)}</h1><p>{result.steps} steps &middot; "
+            f"{_plural(len(result.ranks), 'rank')} ({', '.join(map(str, result.ranks))}) &middot; "
+            f"{_plural(len(events), 'event')}</p>{_svg(records, events)}"
             f"<h2>Events</h2>{table}</body></html>\n")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
