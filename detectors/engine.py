@@ -23,6 +23,11 @@ when it does not raise the severity (it names a machine to cordon). Every findin
 incident's earlier findings as precursors), ``rollback_step`` and ``skip_batches``
 (:func:`~stability.detectors.ranking.rank_causes`). :attr:`RunDiagnoser.incidents` lists the fused
 incidents (what ``stability postmortem`` reports).
+
+With several ranks, a rank's warning/error findings are held until every known rank has reported their step (at
+most until some rank is ``hold_steps`` (2) steps past it; at most ``max_held`` findings), then ranked: a faulty
+rank that reports a step first is alerted with that step's cross-rank verdict (``hardware_fault``), not
+``unknown``. In step order the delay is 0 steps; a single rank is never held.
 """
 
 from __future__ import annotations
@@ -78,6 +83,11 @@ class DiagnoserConfig:
     steps)."""
     cooldown_steps: int = 100
     """No second alert of the same kind and severity on a rank within this many steps."""
+    hold_steps: int = 2
+    """A rank's warning/error findings wait until every known rank reported their step (so the first alert is
+    ranked with the cross-rank verdict of that step), at most until another rank is this many steps ahead."""
+    max_held: int = 64
+    """At most this many findings wait (the oldest is released first)."""
     history_steps: int = 256
     module_history_steps: int = 96
     max_series: int = 512
@@ -185,6 +195,8 @@ class RunDiagnoser:
         self._open: dict[int, Incident] = {}
         """Last incident of each rank (findings may still join it)."""
         self._crossrank = CrossRankDetector(self.config.crossrank)
+        self._held: list[tuple[int, Finding]] = []
+        """(rank, finding) waiting for the other ranks to report its step (see :meth:`_release`)."""
         self.resumes: list[tuple[int, int, int]] = []
         """(rank, last step before, first step after) of every detected resume (step going backwards)."""
 
@@ -197,7 +209,9 @@ class RunDiagnoser:
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record; return the findings to alert on."""
         suite = self._suite(record.rank)
+        alerts: list[Finding] = []
         if record.step < suite.last_step:
+            alerts = self._release(flush=True)  # held findings belong to the run before the resume
             suite = self._resume(record.rank, suite.last_step, record.step)
         suite.last_step = record.step
         suite.records += 1
@@ -207,9 +221,39 @@ class RunDiagnoser:
         for detector in suite.detectors:
             found.extend(detector.update(record))
         decided = self._crossrank.update(record)
-        alerts = self._fuse(suite, record.rank, found)
+        self._held += [(record.rank, f) for f in found]
+        alerts += self._release()
         for finding in decided:
             alerts += self._fuse(self._suite(finding.rank), finding.rank, [finding])
+        return alerts
+
+    def _release(self, *, flush: bool = False) -> list[Finding]:
+        """Fuse the held findings whose step every known rank has reported (or that waited long enough).
+
+        A finding is held only while other ranks are known and have not reported its step yet, and only when it
+        is a warning/error (or queued behind one of its rank, to keep each rank's order): with the faulty rank
+        reporting first, its own detectors fire before the cross-rank verdict of that step exists.
+        """
+        if not self._held:
+            return []
+        cfg = self.config
+        ranks = self._ranks.values()
+        complete = min(s.last_step for s in ranks)
+        newest = max(s.last_step for s in ranks)
+        waiting: set[int] = set()
+        keep: list[tuple[int, Finding]] = []
+        alerts: list[Finding] = []
+        over = len(self._held) - cfg.max_held
+        for i, (rank, finding) in enumerate(self._held):
+            serious = finding.severity in (Severity.WARNING, Severity.ERROR) and not finding.evidence.get("closes")
+            hold = not flush and i >= over and (rank in waiting or (
+                serious and finding.step > complete and newest - finding.step < cfg.hold_steps))
+            if hold:
+                waiting.add(rank)
+                keep.append((rank, finding))
+            else:
+                alerts += self._fuse(self._suite(rank), rank, [finding])
+        self._held = keep
         return alerts
 
     def _resume(self, rank: int, before: int, after: int) -> _RankSuite:
@@ -223,7 +267,7 @@ class RunDiagnoser:
 
     def finish(self) -> list[Finding]:
         """Flush what the detectors hold back (unconfirmed spikes) at the end of the records."""
-        out: list[Finding] = []
+        out = self._release(flush=True)
         for rank, suite in sorted(self._ranks.items()):
             found: list[Finding] = []
             for detector in suite.detectors:
@@ -311,6 +355,7 @@ class RunDiagnoser:
             "ranks": {str(r): s.state_dict() for r, s in self._ranks.items()},
             "crossrank": self._crossrank.state_dict(),
             "incidents": [i.to_state() for r in sorted(kept) for i in kept[r][-MAX_KEPT_INCIDENTS:]],
+            "held": [[rank, f.to_dict()] for rank, f in self._held],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -320,6 +365,7 @@ class RunDiagnoser:
             self._suite(int(rank)).load_state_dict(suite_state)
         self.incidents = [Incident.from_state(i) for i in state["incidents"]]
         self._open = {i.rank: i for i in self.incidents}
+        self._held = [(int(rank), Finding.from_dict(f)) for rank, f in state.get("held", [])]
         self._crossrank = CrossRankDetector(self.config.crossrank)
         if "crossrank" in state:
             self._crossrank.load_state_dict(state["crossrank"])

@@ -148,8 +148,11 @@ class GrowthDetector:
         rise = slope * span
         sigma = max(mad_scale(ys - (level + slope * (xs - xs[-1]))), cfg.scale_floor)
         start = level - rise
-        # onset: the first point a quarter of the way up (the window start overstates how early it began)
-        moved = np.flatnonzero(np.abs(ys - start) >= abs(rise) / 4)
+        # onset: the first point a quarter of the way up from the level the data itself starts at (the window start
+        # overstates how early it began; the fitted line's start does too when the series sat flat and then
+        # exploded: a line through a late blow-up starts below the flat part, which would date the onset early)
+        head = ys[: max(3, len(ys) // 4)]
+        moved = np.flatnonzero(np.abs(ys - float(np.median(head))) >= abs(rise) / 4)
         onset = float(xs[moved[0]]) if len(moved) else float(xs[0])
         if quantity == "logit_z":
             away = abs(level) - abs(start)

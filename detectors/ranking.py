@@ -6,7 +6,11 @@ Structure and evidence first, statistics only to confirm or break ties. For a fi
   ``rank_disagreement`` -> ``hardware_fault``, ``attention_logit_growth`` -> ``attention_logit_growth``,
   ``logit_divergence`` -> ``output_logit_divergence``, ``grad_vanishing`` -> ``vanishing_gradients``,
   ``activation_growth`` -> ``lr_too_high`` (weak), ``plateau`` -> ``lr_too_low``. The same findings earlier in the
-  incident (up to 100 steps before ``t0``, or up to 10 steps after it, weaker) are precursors of a loss event.
+  incident (up to 100 steps before ``t0``, or up to 10 steps after it, weaker) are precursors of a loss event;
+  a growth finding counts as a precursor only if its series grew (>= 1.5x, using points before ``t0`` only)
+  before the onset, and is a symptom of the LR (-0.2, ``lr_too_high`` named) when the LR jumped before its
+  onset, or after its fitted onset while the series had not grown before the jump (an LR change is an
+  intervention: it precedes everything it causes).
 * NaN -> ``numerical_nan``; ``fp16_loss_scale`` first if the loss scale collapsed (>= 4x) before it.
 * loss scale collapsing first -> ``fp16_loss_scale``.
 * a one-step jump that reverted, or a spike with no precursor -> ``bad_batch``.
@@ -14,8 +18,12 @@ Structure and evidence first, statistics only to confirm or break ties. For a fi
   ratio >= 2x and >= 6 robust sigmas of its own log noise) -> ``lr_too_high``; strong when the LR itself jumped or
   rose >= 1.5x (ramp) after the warm-up within 100 steps ("lr rose 23x over the 60 steps before the onset").
 * inside the LR warm-up ramp, or within 3x its length -> ``warmup_too_short``.
-* a layer's ``adam_v_ratio`` jumping 1-8 steps before -> ``adam_second_moment``.
-* ``attn_logit_max`` growth -> ``attention_logit_growth``; ``logit_z`` drift -> ``output_logit_divergence``.
+* a layer's ``adam_v_ratio`` jumping 1-8 steps before -> ``adam_second_moment`` (weak when a gradient or
+  update-ratio precursor moved earlier: the earliest deviating signal wins).
+* LR unchanged and the update ratios that rose first are only attention projections (a strict minority of the
+  layers; an LR too high moves every layer at once) -> ``attention_logit_growth``.
+* ``attn_logit_max`` growth (fitted up to the onset, not past it) -> ``attention_logit_growth``; ``logit_z``
+  drift -> ``output_logit_divergence``.
 * per-layer grad norms collapsing (>= 10x down) -> ``vanishing_gradients``.
 * a level shift without precursor -> ``data_shift``; nothing matched -> ``unknown``.
 
@@ -32,6 +40,7 @@ Each finding also gets ``rollback_step`` (the last recorded step before the earl
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -264,22 +273,7 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
     structural = KIND_CAUSE.get(finding.kind)
     if structural is not None:
         hints.add(structural[0], structural[1] - _symptom_of_lr(finding, history, hints), finding.message)
-    for earlier in recent:
-        cause = KIND_CAUSE.get(earlier.kind)
-        if cause is None or earlier is finding or earlier.kind == finding.kind:
-            continue
-        lead = t0 - earlier.onset
-        if not -FOLLOW_WINDOW <= lead <= PRECURSOR_WINDOW:
-            continue
-        if lead > 0:
-            when, penalty = f"{plural(lead, 'step')} before {event}", 0.0
-            precursors.append(Move(earlier.signal, earlier.onset, earlier.score, earlier.score, lead))
-        elif lead == 0:
-            when, penalty = f"with {event}", 0.05
-        else:
-            when, penalty = f"{plural(-lead, 'step')} after the onset of {event}", 0.15
-        penalty += _symptom_of_lr(earlier, history, hints)
-        hints.add(cause[0], cause[1] - penalty, f"{earlier.message} ({when})", earlier.signal)
+    precursors += _recent_hints(finding, history, hints, recent, event)
     if finding.kind == "nan":
         what = f"{finding.signal} became {finding.value} at step {finding.step}"
         if scale is not None and scale.lead > 0:
@@ -300,6 +294,32 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
     return Ranking(hints.ranked(), rollback, _skip_batches(finding, history))
 
 
+def _recent_hints(finding: Finding, history: History, hints: _Hints, recent: Sequence[Finding],
+                  event: str) -> list[Move]:
+    """Hints from the incident's other structural findings; the precursors among them (those before the onset
+    whose series, for a growth, grew before it too)."""
+    t0, precursors = finding.onset, []
+    for earlier in recent:
+        cause = KIND_CAUSE.get(earlier.kind)
+        if cause is None or earlier is finding or earlier.kind == finding.kind:
+            continue
+        lead = t0 - earlier.onset
+        if not -FOLLOW_WINDOW <= lead <= PRECURSOR_WINDOW:
+            continue
+        if lead > 0 and earlier.kind in GROWTH and not _grew_before(history, earlier.signal, t0):
+            when, penalty = f"but {earlier.signal} did not grow before {event} (a consequence)", 0.4
+        elif lead > 0:
+            when, penalty = f"{plural(lead, 'step')} before {event}", 0.0
+            precursors.append(Move(earlier.signal, earlier.onset, earlier.score, earlier.score, lead))
+        elif lead == 0:
+            when, penalty = f"with {event}", 0.05
+        else:
+            when, penalty = f"{plural(-lead, 'step')} after the onset of {event}", 0.15
+        penalty += _symptom_of_lr(earlier, history, hints)
+        hints.add(cause[0], cause[1] - penalty, f"{earlier.message} ({when})", earlier.signal)
+    return precursors
+
+
 GROWTH = frozenset({"attention_logit_growth", "activation_growth", "logit_divergence"})
 
 
@@ -310,6 +330,9 @@ def _symptom_of_lr(finding: Finding, history: History, hints: _Hints) -> float:
         return 0.0
     lr = history.lr
     jump = lr.last_jump if lr.last_jump is not None and finding.onset - 100 <= lr.last_jump <= finding.onset else None
+    if jump is None and lr.last_jump is not None and finding.onset < lr.last_jump <= finding.step \
+            and not _grew_before(history, finding.signal, lr.last_jump):
+        jump = lr.last_jump  # dated before the LR intervention by its fit, but it only grew after it
     rise = lr_rise(history, finding.onset)
     if jump is not None:
         text = f"lr raised {lr.jump_factor:.3g}x at step {jump}, before {finding.signal} started to grow"
@@ -318,8 +341,26 @@ def _symptom_of_lr(finding: Finding, history: History, hints: _Hints) -> float:
                 "to grow")
     else:
         return 0.0
-    hints.add("lr_too_high", 0.9, text, "lr")
+    hints.add("lr_too_high", 0.88, text, "lr")  # below the gradient rule's 0.9, whose evidence says more
     return 0.2
+
+
+PRECURSOR_GROWTH = 1.5
+"""A growth finding is a precursor of a later event only if its series grew this much before the event."""
+
+
+def _grew_before(history: History, signal: str, t0: int, span: int = 48) -> bool:
+    """Whether ``signal`` (a growth series) grew before step ``t0``, using only points before it: a factor of
+    :data:`PRECURSOR_GROWTH` for magnitudes, a drift of 1 nat for ``logit_z``. Unknown series count as grown."""
+    ring = history.modules if "/" in signal else history.globals
+    pair = _growth(ring, signal, t0 - 1, span=span)
+    if signal not in ring.series:
+        return True
+    if pair is None:
+        return False
+    if signal.split("/", 1)[0] == "logit_z":
+        return abs(pair[1]) - abs(pair[0]) >= 1.0
+    return pair[0] > 0 and pair[1] / pair[0] >= PRECURSOR_GROWTH
 
 
 def lr_rise(history: History, t0: int, *, lookback: int = 100, factor: float = 1.5) -> Move | None:
@@ -404,12 +445,11 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
     elif first is not None:
         hints.add("lr_too_high", *_confirm(history, first, t0, 0.65, f"{_fmt(first, event)}; lr unchanged"),
                   first.signal)
+        _localized_attention(finding, history, hints, event, rises)
     if first is not None:
         found.append(first)
-    adam = _earliest([m for m in (find_move(mods, n, t0, factor=3.0, lead_steps=8) for n in
-                                  _modules(mods, "adam_v_ratio")) if m is not None and 1 <= m.lead <= 8])
+    adam = _adam_rule(history, hints, t0, event, first)
     if adam is not None:
-        hints.add("adam_second_moment", 0.85, _fmt(adam, event), adam.signal)
         found.append(adam)
     falls = [m for m in (find_move(mods, n, t0, factor=10.0, lead_steps=50, rise=False) for n in
                          _modules(mods, "grad_norm")) if m is not None]
@@ -421,6 +461,50 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
         hints.add("warmup_too_short", 0.55, f"{event} at step {t0}, within 3x the warm-up (LR peaked at step "
                                             f"{lr.warmup_end})")
     return found
+
+
+def _adam_rule(history: History, hints: _Hints, t0: int, event: str, first: Move | None) -> Move | None:
+    """A layer's ``adam_v_ratio`` jumping 1-8 steps before -> ``adam_second_moment``; weak when a gradient or
+    update-ratio precursor moved earlier still (the earliest deviating signal wins)."""
+    mods = history.modules
+    adam = _earliest([m for m in (find_move(mods, n, t0, factor=3.0, lead_steps=8) for n in
+                                  _modules(mods, "adam_v_ratio")) if m is not None and 1 <= m.lead <= 8])
+    if adam is None:
+        return None
+    if first is not None and first.step < adam.step:
+        hints.add("adam_second_moment", 0.5, f"{_fmt(adam, event)}, after {first.signal} had moved (step "
+                                             f"{first.step})", adam.signal)
+    else:
+        hints.add("adam_second_moment", 0.85, _fmt(adam, event), adam.signal)
+    return adam
+
+
+ATTENTION_MODULE = re.compile(r"attn|attention|qkv|q_proj|k_proj|query|key", re.IGNORECASE)
+"""Module names of attention input projections (whose fast updates grow the attention logits)."""
+
+
+def _localized_attention(finding: Finding, history: History, hints: _Hints, event: str, rises: list[Move]) -> None:
+    """With the LR unchanged, update ratios that rose first only in attention projections (a strict minority of
+    the layers; an LR too high moves every layer at once) -> ``attention_logit_growth``, stronger when the
+    attention logits grew before the onset too."""
+    moves = [m for m in rises if m.signal.startswith("update_ratio/")]
+    layers = _modules(history.modules, "update_ratio")
+    if not moves or len(layers) < 3:
+        return
+    start = min(m.step for m in moves)
+    leaders = sorted({m.signal for m in moves if m.step <= start + 2})
+    if 2 * len(leaders) > len(layers) or not all(ATTENTION_MODULE.search(n.split("/", 1)[1]) for n in leaders):
+        return
+    text = (f"{', '.join(leaders)} rose first ({plural(finding.onset - start, 'step')} before {event}, step {start}) "
+            f"while the other {plural(len(layers) - len(leaders), 'layer')} and the lr did not: the attention "
+            "projections update too fast")
+    grown = [(n, pair[1] / pair[0]) for n in _modules(history.modules, "attn_logit_max")
+             if (pair := _growth(history.modules, n, finding.onset - 1)) is not None and pair[0] > 0]
+    best = max(grown, key=lambda g: g[1], default=None)
+    if best is not None and best[1] >= PRECURSOR_GROWTH:
+        hints.add("attention_logit_growth", 0.88, f"{text}; {best[0]} grew {best[1]:.3g}x before {event}", best[0])
+    else:
+        hints.add("attention_logit_growth", 0.8, text, leaders[0])
 
 
 def _confirm(history: History, move: Move, t0: int, score: float, text: str) -> tuple[float, str]:
@@ -451,8 +535,9 @@ ATTN_LEVEL = 30.0
 def _slow_rules(finding: Finding, history: History, hints: _Hints, event: str) -> None:
     t0, mods, glob = finding.onset, history.modules, history.globals
     best: tuple[float, str] | None = None
+    last = finding.step if finding.kind in GROWTH else t0 - 1  # no points after the onset of the event it explains
     for name in _modules(mods, "attn_logit_max"):
-        pair = _growth(mods, name, finding.step)
+        pair = _growth(mods, name, last)
         if pair is None or pair[0] <= 0 or pair[1] < ATTN_LEVEL:
             continue
         factor = pair[1] / pair[0]

@@ -8,7 +8,6 @@ directory, a local worker runs the detectors, and live alerts are read back from
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import time
@@ -18,85 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from torch.nn import functional as F
+
+from stability.evaluation.model import MarkovData, TinyGPT
 
 FAULTS = ("none", "bad-batch", "lr-spike", "nan", "divergence")
 DEFAULT_FAULT = "lr-spike"
 
-__all__ = ["DEFAULT_FAULT", "FAULTS", "DemoResult", "TinyGPT", "run_demo"]
-
-
-# --------------------------------------------------------------------------------------------- model and data
-class Block(nn.Module):
-    """Pre-norm transformer block with explicit attention (so the max attention logit can be observed)."""
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        logits = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        x = x + self.out(F.gelu(self.fc(self.ln2(x))))
-        return x, logits.detach().amax()
-
-
-class TinyGPT(nn.Module):
-    """A two-layer GPT; ``forward`` returns logits and the per-layer max attention logits."""
-
-    def __init__(self, vocab: int = 64, ctx: int = 32, d: int = 64, layers: int = 2, heads: int = 4) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Embedding(ctx, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        attn_max = []
-        for block in self.blocks:
-            x, m = block(x)
-            attn_max.append(m)
-        return self.head(self.ln_f(x)), attn_max
-
-
-class MarkovData:
-    """Sequences from a fixed sparse Markov chain: learnable structure, so the loss falls from ln(vocab)."""
-
-    def __init__(self, vocab: int = 64, ctx: int = 32, batch: int = 32, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.vocab, self.ctx, self.batch, self.gen = vocab, ctx, batch, gen
-        succ = torch.stack([torch.randperm(vocab, generator=gen)[:4] for _ in range(vocab)])
-        probs = torch.zeros(vocab, vocab)
-        probs.scatter_(1, succ, torch.tensor([0.6, 0.25, 0.1, 0.05]).expand(vocab, 4))
-        self.probs = probs
-
-    def sample(self) -> torch.Tensor:
-        x = torch.empty(self.batch, self.ctx + 1, dtype=torch.long)
-        x[:, 0] = torch.randint(self.vocab, (self.batch,), generator=self.gen)
-        for t in range(self.ctx):
-            x[:, t + 1] = torch.multinomial(self.probs[x[:, t]], 1, generator=self.gen).squeeze(1)
-        return x
-
-    def bad_batch(self) -> torch.Tensor:
-        """A degenerate batch: long runs of one token, as in a corrupted shard."""
-        x = torch.full((self.batch, self.ctx + 1), 7, dtype=torch.long)
-        x[:, ::5] = torch.randint(self.vocab, (self.batch, x[:, ::5].shape[1]), generator=self.gen)
-        return x
+__all__ = ["DEFAULT_FAULT", "FAULTS", "DemoResult", "run_demo", "train"]
 
 
 # --------------------------------------------------------------------------------------------- training loop
@@ -125,7 +53,7 @@ def train(
 ) -> None:
     """Plain PyTorch training of :class:`TinyGPT` with the chosen fault injected at ``fault_step``."""
     torch.manual_seed(seed)
-    data = MarkovData(seed=seed)
+    data = MarkovData(batch=32, seed=seed)
     model = TinyGPT(vocab=data.vocab, ctx=data.ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     warmup = 30
@@ -138,7 +66,7 @@ def train(
         for group in opt.param_groups:
             group["lr"] = lr * scale
         batch = data.bad_batch() if fault == "bad-batch" and step == fault_step else data.sample()
-        logits, attn_max = model(batch[:, :-1])
+        logits, attn_max = model(model.embed(batch[:, :-1]))
         if fault == "nan" and step == fault_step:
             logits = logits * torch.tensor(float("nan"))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))

@@ -134,12 +134,44 @@ def test_state_stays_bounded_when_a_rank_stops_reporting() -> None:
 def test_first_alert_of_the_faulty_rank_already_names_the_hardware(bad: int) -> None:
     alerts, diag = diagnose(round_robin(run_records(grad_fault=(250, 100.0), bad=bad)))
     first = next(a for a in alerts if a.rank == bad)
-    assert first.kind == "grad_explosion" and first.step == 250  # (rank 0: before any other rank reported 250)
+    assert first.kind == "grad_explosion" and first.step == 250
     host = f"node-{bad // 2}-gpu{bad % 2}"
-    if bad > 0:  # at least one other replica reported the step when this rank's own detector fired
-        assert first.causes[0].cause == "hardware_fault" and f"rank {bad}" in first.causes[0].evidence
+    # rank 0 reports step 250 before any other replica: its finding waits for the step to be complete
+    assert first.causes[0].cause == "hardware_fault" and f"rank {bad}" in first.causes[0].evidence
     [incident] = [i for i in diag.incidents if i.rank == bad]
     assert incident.kinds == ["grad_explosion", "rank_disagreement"]
     assert incident.headline.kind == "rank_disagreement" and incident.headline.host == host
     assert incident.headline.causes[0].cause == "hardware_fault"
     assert [a.rank for a in alerts if a.severity is not Severity.INFO] == [bad, bad]  # the other ranks are quiet
+
+
+def test_faulty_rank_0_first_is_alerted_once_the_step_is_complete() -> None:
+    """Rank 0 reports first: its grad-norm alert is held (not ranked ``unknown``) until ranks 1-3 report step 250,
+    and is returned by the update of the last of them (no delay in steps)."""
+    diag = RunDiagnoser()
+    when: list[tuple[int, int, Finding]] = []
+    for rec in round_robin(run_records(grad_fault=(250, 100.0), bad=0)):
+        when += [(rec.step, rec.rank, a) for a in diag.update(rec) if a.severity is not Severity.INFO]
+    step, rank, first = when[0]
+    assert (step, rank, first.rank, first.kind) == (250, 3, 0, "grad_explosion")
+    assert first.causes[0].cause == "hardware_fault"
+    assert diag.state_dict()["held"] == []
+
+
+def test_held_finding_is_released_when_the_other_ranks_lag() -> None:
+    """Ranks drained in chunks of 50 records: rank 0's finding does not wait for ranks that are 50 steps behind,
+    only ``hold_steps`` steps of its own; the held finding survives a state round trip."""
+    per_rank = run_records(grad_fault=(220, 100.0), bad=0)
+    recs = chunked(per_rank, 50, [0, 1, 2, 3])
+    diag = RunDiagnoser()
+    hold = diag.config.hold_steps
+    out: list[tuple[int, int, Finding]] = []
+    for rec in recs:
+        if rec.rank == 0 and rec.step == 221:  # held now: round-trip the state
+            state = msgpack.unpackb(msgpack.packb(diag.state_dict(), use_bin_type=True), raw=False)
+            assert [f["kind"] for _, f in state["held"]] == ["grad_explosion"]
+            diag = RunDiagnoser()
+            diag.load_state_dict(state)
+        out += [(rec.step, rec.rank, a) for a in diag.update(rec) if a.kind == "grad_explosion"]
+    [(step, rank, alert)] = out
+    assert rank == 0 and step == 220 + hold and alert.step == 220

@@ -256,3 +256,90 @@ def test_lr_jump_out_of_a_decaying_schedule_is_a_jump() -> None:
     spike = next(a for a in alerts if a.kind == "loss_spike")
     assert spike.causes[0].cause == "lr_too_high" and "lr raised 29.9x at step 480" in spike.causes[0].evidence
     assert spike.rollback_step == 479
+
+
+def test_lr_jump_then_attention_blow_up_is_lr_too_high_with_the_onset_at_the_jump() -> None:
+    """The LR jumps 60x for 3 steps at 480; the attention logits (flat ~3 until then) blow up *because of* it and
+    the growth detector fires a few steps later. The growth is a consequence: it must neither outrank the LR nor
+    date the incident before the intervention (a line fit through the blow-up starts below the flat part)."""
+    s = base()
+    rng = np.random.default_rng(4)
+    for i in range(2):
+        s[f"attn_logit_max/h.{i}"] = 3.0 * np.exp(rng.normal(0, 0.02, N))
+    s["lr"][480:483] *= 60.0
+    s["update_ratio/h.1.attn"][480:483] *= 60.0
+    s["attn_logit_max/h.1"][481:] *= np.minimum(np.exp(0.25 * np.arange(1, N - 480)), 35.0)
+    s["grad_norm"][481:484] *= 30.0
+    s["loss"][481:490] *= 3.0
+    _, diag = diagnose(s)
+    incident = next(i for i in diag.incidents if "loss_spike" in i.kinds)
+    assert "attention_logit_growth" in incident.kinds  # the growth finding did join the incident
+    growth = next(f for f in incident.findings if f.kind == "attention_logit_growth")
+    assert growth.onset >= 481, growth
+    assert 480 <= incident.onset <= 483
+    causes = [c.cause for c in incident.headline.causes]
+    assert causes[0] == "lr_too_high", incident.headline.causes
+    assert "60x" in incident.headline.causes[0].evidence
+    scores = {c.cause: c.score for c in incident.headline.causes}
+    assert scores["attention_logit_growth"] <= scores["lr_too_high"] - 0.2  # a consequence, not a near tie
+
+
+def test_attention_growth_before_an_lr_change_stays_attention() -> None:
+    """The converse: the attention logits grew for 100 steps before a (small) LR jump: the growth is a
+    precursor that the later LR change did not cause, so it is not demoted to a symptom of the LR."""
+    s = base()
+    rng = np.random.default_rng(3)
+    for i in range(2):
+        s[f"attn_logit_max/h.{i}"] = 9.0 * np.exp(rng.normal(0, 0.02, N))
+    s["attn_logit_max/h.1"][380:] *= np.exp(0.03 * np.arange(N - 380))
+    s["lr"][455:] *= 1.6
+    s["loss"][460:466] *= 2.0
+    _, diag = diagnose(s)
+    incident = next(i for i in diag.incidents if "loss_spike" in i.kinds)
+    assert incident.headline.causes[0].cause == "attention_logit_growth", incident.headline.causes
+
+
+def layered(seed: int = 0) -> dict[str, np.ndarray]:
+    """``base`` plus update ratios of eight layers (attention projections and MLPs) and attention logits."""
+    s = base(seed)
+    rng = np.random.default_rng(seed + 10)
+    for layer in range(2):
+        for part in ("qkv", "proj", "fc", "out"):
+            s[f"update_ratio/h.{layer}.{part}"] = 1e-3 * np.exp(rng.normal(0, 0.05, N))
+        s[f"attn_logit_max/h.{layer}"] = 12.0 * np.exp(rng.normal(0, 0.02, N))
+    del s["update_ratio/h.1.attn"]
+    return s
+
+
+def test_update_ratios_rising_only_in_attention_projections_is_attention_growth() -> None:
+    """LR unchanged; only the attention input projections' update ratios rise (their own LR grows), the logits
+    follow, then an Adam second-moment blip and the loss spike: the earliest deviating signal (attention
+    projections, a strict minority of the layers) names attention_logit_growth, not lr_too_high or Adam."""
+    s = layered()
+    ramp = np.minimum(1.15 ** np.arange(N - 440), 60.0)
+    for layer in range(2):
+        s[f"update_ratio/h.{layer}.qkv"][440:] *= ramp
+    s["attn_logit_max/h.0"][440:] *= np.minimum(np.exp(0.02 * np.arange(N - 440)), 2.0)  # under the detector's 4x
+    s["adam_v_ratio/h.0.fc"] = np.exp(np.random.default_rng(7).normal(0, 0.05, N))
+    s["adam_v_ratio/h.0.fc"][488:] *= 5.0
+    s["loss"][490:496] *= 2.0
+    _, diag = diagnose(s)
+    incident = next(i for i in diag.incidents if "loss_spike" in i.kinds)
+    causes = [c.cause for c in incident.headline.causes]
+    assert causes[0] == "attention_logit_growth", incident.headline.causes
+    top = incident.headline.causes[0].evidence
+    assert "qkv" in top and "attn_logit_max/h.0" in top
+    assert "lr_too_high" in causes[1:] and "adam_second_moment" in causes[1:]
+
+
+def test_update_ratios_rising_in_every_layer_with_lr_unchanged_is_not_attention() -> None:
+    """The same rise in every layer (e.g. a hidden LR multiplier): not localized, stays lr_too_high."""
+    s = layered()
+    ramp = np.minimum(1.15 ** np.arange(N - 440), 60.0)
+    for name in [n for n in s if n.startswith("update_ratio/")]:
+        s[name][440:] *= ramp
+    s["loss"][490:496] *= 2.0
+    _, diag = diagnose(s)
+    incident = next(i for i in diag.incidents if "loss_spike" in i.kinds)
+    assert incident.headline.causes[0].cause == "lr_too_high", incident.headline.causes
+    assert "attention_logit_growth" not in [c.cause for c in incident.headline.causes]
