@@ -28,12 +28,13 @@ from stability.hooks.capture import Capture
 from stability.testing import ListSink, TinyGPT
 
 
-def make_loop(batch: int) -> tuple[Callable[[int], None], TinyGPT]:
+def make_loop(batch: int, device: str = "cpu") -> tuple[Callable[[int], None], TinyGPT]:
     torch.manual_seed(0)
-    model = TinyGPT()
+    model = TinyGPT().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     vocab, block = model.cfg.vocab, model.cfg.block
-    data = torch.randint(0, vocab, (batch, block + 1))
+    data = torch.randint(0, vocab, (batch, block + 1), device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def run(steps: int) -> None:
         for _ in range(steps):
@@ -44,6 +45,7 @@ def make_loop(batch: int) -> tuple[Callable[[int], None], TinyGPT]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+        sync()  # on a GPU, time the work, not the launches
 
     return run, model
 
@@ -71,8 +73,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (bench/gpu_check.sh uses cuda)")
     args = parser.parse_args()
-    run, model = make_loop(args.batch)
+    run, model = make_loop(args.batch, args.device)
     modes: dict[str, WatchConfig | None] = {
         "baseline (no stability)": None,
         "capture, defaults": WatchConfig(run_id="bench"),
