@@ -74,3 +74,29 @@ def test_nan_and_inf_survive_the_round_trip() -> None:
     rec = decode(VALID)
     assert math.isnan(rec.signals["grad_norm"]) and rec.signals["grad_norm/h.0"] == math.inf
     assert rec.signals["lr"] == -math.inf and rec.signals["loss"] == 2.5
+
+
+def test_mutated_csv_logs_load_or_raise_source_error(tmp_path) -> None:
+    """Truncated and corrupted CSV logs: `load_csv` returns records or raises SourceError naming the file."""
+    from stability.errors import SourceError
+    from stability.postmortem import load_csv
+
+    good = "step,loss,grad_norm,lr,note\n" + "".join(f"{s},{3 - s / 100:.4f},{0.5 + s % 3},1e-3,x\n" for s in range(50))
+    rng = random.Random(2)
+    alphabet = "0123456789.,-eE\nnaNInfity\"x "
+    path = tmp_path / "log.csv"
+    loaded = 0
+    for _ in range(300):
+        text = list(good[: rng.randint(0, len(good))])  # truncated log
+        for _ in range(rng.randint(0, 5)):
+            if text:
+                text[rng.randrange(len(text))] = rng.choice(alphabet)
+        path.write_text("".join(text))
+        try:
+            records = load_csv(path)
+        except SourceError as exc:
+            assert str(path) in str(exc) or path.name in str(exc), str(exc)
+        else:
+            loaded += 1
+            assert all(isinstance(r.step, int) for r in records)
+    assert 0 < loaded < 300
