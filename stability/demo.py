@@ -170,7 +170,8 @@ class _FindingsWatcher(threading.Thread):
         hint = f" — likely [bold]{cause['cause']}[/]: {cause['evidence']}" if cause else ""
         self.console.print(
             f"[{colour}]ALERT {finding['severity'].upper()}[/] {finding['kind']} at step {finding['step']}"
-            f" (rank {finding.get('rank', 0)}): {finding['message']}{hint}"
+            f" (rank {finding.get('rank', 0)}{' on ' + finding['host'] if finding.get('host') else ''}):"
+            f" {finding['message']}{hint}"
         )
 
     def stop(self) -> None:

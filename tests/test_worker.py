@@ -19,7 +19,7 @@ from stability import keys
 from stability.detectors.base import Finding, Severity
 from stability.records import MAX_RECORD_BYTES, StepRecord, encode
 from stability.worker.drain import CONSUMER, Drainer
-from stability.worker.sinks import ArchiveSink, Entry, RedisFindingsSink, redis_meta
+from stability.worker.sinks import ArchiveSink, ConsoleSink, Entry, RedisFindingsSink, redis_meta
 
 RUN = "run-test"
 
@@ -358,3 +358,16 @@ def test_archive_location(tmp_path: Path) -> None:
     assert ArchiveSink(meta.__getitem__).directory("local") == tmp_path / "archive"
     fallback = ArchiveSink(meta.__getitem__, archive_dir=tmp_path / "arch")
     assert fallback.directory("elsewhere") == tmp_path / "arch" / "elsewhere"
+
+
+def test_console_sink_names_rank_host_and_top_cause(caplog: pytest.LogCaptureFixture) -> None:
+    from stability.detectors.base import CauseHint
+
+    finding = Finding(kind="rank_disagreement", step=12, onset=12, severity=Severity.ERROR, signal="grad_norm",
+                      value=9.0, message="rank 3 grad_norm 9x the others", detector="crossrank", rank=3,
+                      host="node7", causes=(CauseHint(cause="hardware_fault", score=0.9, evidence="only rank 3"),))
+    with caplog.at_level("INFO", logger="stability.worker.sinks"):
+        ConsoleSink().emit(RUN, [finding], [])
+    assert caplog.records[-1].levelname == "ERROR"
+    assert "[run-test rank 3 on node7] rank_disagreement at step 12" in caplog.text
+    assert "likely hardware_fault: only rank 3" in caplog.text

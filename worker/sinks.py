@@ -103,10 +103,11 @@ class ConsoleSink:
         """Log each finding with its top cause."""
         for f in findings:
             cause = f" (likely {f.causes[0].cause}: {f.causes[0].evidence})" if f.causes else ""
+            where = f"rank {f.rank}" + (f" on {f.host}" if f.host else "")
             logger.log(
                 self._LEVELS.get(f.severity, logging.INFO),
-                "[%s rank %d] %s at step %d: %s%s",
-                run_id, f.rank, f.kind, f.step, f.message, cause,
+                "[%s %s] %s at step %d: %s%s",
+                run_id, where, f.kind, f.step, f.message, cause,
             )  # fmt: skip
 
     def close(self, run_id: str) -> None:
