@@ -27,7 +27,7 @@ def render_text(result: PostmortemResult) -> str:
     """A plain-text summary: events table, top causes, remedy and rollback step of each event."""
     events = result.events
     serious = [e for e in events if e["severity"] != "info"]
-    lines = [f"run {result.run_id}: {result.steps} steps, {len(events)} events "
+    lines = [f"run {result.run_id}: {_plural(result.steps, 'step')}, {_plural(len(events), 'event')} "
              f"({len(serious)} warning/error, {len(events) - len(serious)} info)"]
     if not events:
         lines.append("no instability detected")
