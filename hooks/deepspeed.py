@@ -54,7 +54,8 @@ from typing import Any
 
 import torch
 
-from stability.hooks.capture import Capture, hook_scope
+from stability.hooks._safety import AdapterErrors
+from stability.hooks.capture import Capture
 from stability.hooks.schedules import every
 
 __all__ = ["DeepSpeedAttachment", "attach_deepspeed", "auto_attach"]
@@ -79,9 +80,8 @@ class DeepSpeedAttachment:
         self.engine = engine
         self.capture = capture
         self._lock = threading.Lock()
-        self._failed: set[str] = set()
         self._wrapped: dict[str, Callable[..., Any]] = {}
-        self.errors = 0
+        self._errors = AdapterErrors("DeepSpeed")
         """Exceptions caught in the wrappers (training went on)."""
         self.stage = int(_call(engine, "zero_optimization_stage", 0) or 0)
         self.fp16 = bool(_call(engine, "fp16_enabled", False))
@@ -150,18 +150,13 @@ class DeepSpeedAttachment:
         return result
 
     def _guard(self, where: str, fn: Callable[..., None], *args: Any) -> None:
-        if not self._wrapped or not self.capture.attached:
-            return
-        try:
-            with hook_scope():
-                fn(*args)
-        except Exception:
-            with self._lock:
-                self.errors += 1
-                first = where not in self._failed
-                self._failed.add(where)
-            if first:
-                logger.exception("stability: DeepSpeed adapter failed in %s (training continues)", where)
+        if self._wrapped and self.capture.attached:
+            self._errors.run(where, fn, *args)
+
+    @property
+    def errors(self) -> int:
+        """Exceptions swallowed by the adapter so far."""
+        return self._errors.count
 
     # ------------------------------------------------------------------------------------------- step logic
 

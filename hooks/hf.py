@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from stability.hooks.capture import Capture, hook_scope
+from stability.hooks._safety import AdapterErrors
+from stability.hooks.capture import Capture
 
 __all__ = ["StabilityCallback", "attach_hf", "auto_attach"]  # noqa: F822 (StabilityCallback: module __getattr__)
 
@@ -70,8 +71,7 @@ class _Adapter:
         """Another adapter (DeepSpeed) drives the records; this one only supplies the raw loss."""
         self._loss_step = -1
         self._losses: list[torch.Tensor] = []
-        self.errors = 0
-        self._failed: set[str] = set()
+        self._errors = AdapterErrors("transformers")
         self._wrapped: dict[str, tuple[Any, Callable[..., Any]]] = {}
         if trainer is not None:
             self._wrap(trainer, "training_step", self._training_step)
@@ -144,14 +144,12 @@ class _Adapter:
             self.capture.observe("grad_norm", norm)
 
     def _guard(self, where: str, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            with hook_scope():
-                fn(*args)
-        except Exception:
-            self.errors += 1
-            if where not in self._failed:
-                self._failed.add(where)
-                logger.exception("stability: transformers adapter failed in %s (training continues)", where)
+        self._errors.run(where, fn, *args)
+
+    @property
+    def errors(self) -> int:
+        """Exceptions swallowed by the adapter so far."""
+        return self._errors.count
 
     # -------------------------------------------------------------------------------------- callback events
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from stability.hooks._safety import AdapterErrors
 from stability.hooks.capture import Capture
 
 __all__ = ["FRAMEWORK", "NAMESPACES", "auto_attach", "callback_class", "install"]
@@ -59,7 +60,7 @@ class _Hooks:
         self._handle: Any = None
         self._pending = False
         self._scale_before: torch.Tensor | None = None
-        self._failed: set[str] = set()
+        self._errors = AdapterErrors("Lightning")
 
     # ----------------------------------------------------------------------------------------- Lightning hooks
 
@@ -86,12 +87,7 @@ class _Hooks:
     # ------------------------------------------------------------------------------------------------ logic
 
     def _guard(self, where: str, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except Exception:  # never into training; log once per hook
-            if where not in self._failed:
-                self._failed.add(where)
-                logger.exception("stability: Lightning callback error in %s (training continues)", where)
+        self._errors.run(where, fn)
 
     def _start(self, trainer: Any, pl_module: Any) -> None:
         if self.capture is None:

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from stability.hooks._safety import AdapterErrors
 from stability.hooks.capture import Capture
 
 __all__ = [
@@ -267,7 +268,7 @@ class MegatronAdapter:
         """True once ``megatron.training``'s ``train_step`` ran: ``training_log`` then completes each step."""
         self._pending = False
         self._lock = threading.Lock()
-        self._failed: set[str] = set()
+        self._errors = AdapterErrors("megatron")
 
     @property
     def attached(self) -> bool:
@@ -329,12 +330,7 @@ class MegatronAdapter:
         return result
 
     def _guard(self, where: str, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except Exception:  # never into training; log once per site
-            if where not in self._failed:
-                self._failed.add(where)
-                logger.exception("stability: megatron adapter error in %s (training continues)", where)
+        self._errors.run(where, fn)
 
     def _before_step(self) -> None:
         def run() -> None:
