@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
-from stability.evaluation.model import MarkovData, TinyGPT
+from stability.evaluation.model import MarkovData, TinyGPT, next_token_loss
 
 FAULTS = ("none", "bad-batch", "lr-spike", "nan", "divergence")
 DEFAULT_FAULT = "lr-spike"
@@ -69,14 +68,11 @@ def train(
         logits, attn_max = model(model.embed(batch[:, :-1]))
         if fault == "nan" and step == fault_step:
             logits = logits * torch.tensor(float("nan"))
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss = next_token_loss((logits, attn_max), batch, observe)
         opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if observe is not None:
-            for i, m in enumerate(attn_max):
-                observe(f"attn_logit_max/blocks.{i}", m)
         if on_step is not None:
             on_step(step, float(loss.detach()))  # the demo's own progress display, not stability's hot path
 

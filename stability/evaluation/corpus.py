@@ -65,10 +65,9 @@ from typing import Any
 
 import msgpack
 import torch
-from torch.nn import functional as F
 
 from stability.config import WatchConfig
-from stability.evaluation.model import DeepMLP, MarkovData, TinyGPT
+from stability.evaluation.model import DeepMLP, MarkovData, TinyGPT, next_token_loss
 from stability.hooks.capture import Capture
 from stability.records import StepRecord, decode, encode
 from stability.testing import ListSink
@@ -381,10 +380,7 @@ def _train_step(spec: RunSpec, step: int, model: TinyGPT | DeepMLP, opt: torch.o
     if fault == "fp16_overflow" and in_fault:
         growth = spec.magnitude ** (step - spec.fault_step + 1) * 1e3
         x.register_hook(lambda g, growth=growth: g * growth)  # type: ignore[no-untyped-call]
-    logits, attn_max = model(x)
-    for i, m in enumerate(attn_max):
-        capture.observe(f"attn_logit_max/blocks.{i}", m)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    loss = next_token_loss(model(x), batch, capture.observe)
     opt.zero_grad(set_to_none=True)
     if scaler is not None:
         scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
@@ -429,10 +425,7 @@ def _dp_step(spec: RunSpec, step: int, replicas: Sequence[tuple[TinyGPT, torch.o
             group["lr"] = _lr_at(spec, step)
         batch = data.sample()
         capture.set_batch(f"{spec.name}:{step}:r{len(grads)}")
-        logits, attn_max = model(model.embed(batch[:, :-1]))
-        for i, m in enumerate(attn_max):
-            capture.observe(f"attn_logit_max/blocks.{i}", m)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss = next_token_loss(model(model.embed(batch[:, :-1])), batch, capture.observe)
         capture.observe("loss", loss.detach())
         grads.append(list(torch.autograd.grad(loss, list(model.parameters()))))
     mean = [torch.stack(gs).mean(0) for gs in zip(*grads, strict=True)]  # the all-reduce

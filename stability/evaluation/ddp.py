@@ -15,11 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.nn import functional as F
 
 from stability.config import WatchConfig
 from stability.embedded import free_port
-from stability.evaluation.model import MarkovData, TinyGPT
+from stability.evaluation.model import MarkovData, TinyGPT, next_token_loss
 from stability.hooks.capture import Capture
 from stability.records import StepRecord, decode, encode
 from stability.testing import ListSink
@@ -46,10 +45,7 @@ def _worker(rank: int, spec: Any, port: int, out: Any, lr_at: Any) -> None:
                     group["lr"] = lr_at(spec, step)
                 batch = data.sample()
                 capture.set_batch(f"{spec.name}:{step}:r{rank}")
-                logits, attn_max = ddp(model.embed(batch[:, :-1]))
-                for i, m in enumerate(attn_max):
-                    capture.observe(f"attn_logit_max/blocks.{i}", m)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+                loss = next_token_loss(ddp(model.embed(batch[:, :-1])), batch, capture.observe)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()  # type: ignore[no-untyped-call]
                 if (spec.fault == "dp_rank" and rank == spec.faulty_rank

@@ -6,12 +6,13 @@ Everything is CPU-sized (vocab 64, context 32, width 64) so that a few hundred s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["DeepMLP", "MarkovData", "TinyGPT"]
+__all__ = ["DeepMLP", "MarkovData", "TinyGPT", "next_token_loss"]
 
 
 class MarkovData:
@@ -120,3 +121,20 @@ class DeepMLP(nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return self.head(x), []
+
+
+def next_token_loss(
+    output: tuple[torch.Tensor, list[torch.Tensor]],
+    batch: torch.Tensor,
+    observe: Callable[[str, torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of a model's ``(logits, attention maxima)`` output against ``batch[:, 1:]``.
+
+    Each block's max attention logit goes to ``observe`` as ``attn_logit_max/blocks.<i>`` (models expose it; the
+    capture does not guess it).
+    """
+    logits, attn_max = output
+    if observe is not None:
+        for i, m in enumerate(attn_max):
+            observe(f"attn_logit_max/blocks.{i}", m)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
