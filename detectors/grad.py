@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from stability.detectors._candidate import candidate_finding
 from stability.detectors._stats import Baseline, Prediction, log_positive
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord
@@ -134,14 +135,7 @@ class GradExplosionDetector:
 
     def _finding(self, record: StepRecord, cand: dict[str, Any], severity: Severity, what: str, *,
                  end: int | None = None, extra: dict[str, float] | None = None) -> Finding:
-        baseline = math.exp(cand["level"])
-        evidence = {"ratio": cand["ratio"], "z": cand["z"], "baseline": baseline, "points": float(cand["points"])}
-        evidence.update(extra or {})
-        return Finding(
-            kind=self.kind, step=record.step, onset=cand["step"], severity=severity, signal="grad_norm",
-            value=math.exp(cand["y"]), message=f"grad_norm {what} (baseline {baseline:.4g})", detector=self.name,
-            rank=record.rank, end=end, score=cand["ratio"], evidence=evidence,
-        )
+        return candidate_finding(self, "grad_norm", record, cand, severity, what, end=end, extra=extra)
 
     def finish(self) -> list[Finding]:
         """Nothing to flush: an unconfirmed grad-norm candidate alone is not reported."""

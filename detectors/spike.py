@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from stability.detectors._candidate import candidate_finding
 from stability.detectors._stats import Baseline, Prediction, log_positive
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord
@@ -143,14 +144,7 @@ class SpikeDetector:
 
     def _finding(self, record: StepRecord, cand: dict[str, Any], severity: Severity, what: str, *,
                  end: int | None = None, extra: dict[str, float] | None = None) -> Finding:
-        baseline = math.exp(cand["level"])
-        evidence = {"ratio": cand["ratio"], "z": cand["z"], "baseline": baseline, "points": float(cand["points"])}
-        evidence.update(extra or {})
-        return Finding(
-            kind=self.kind, step=record.step, onset=cand["step"], severity=severity, signal=self.config.signal,
-            value=math.exp(cand["y"]), message=f"{self.config.signal} {what} (baseline {baseline:.4g})",
-            detector=self.name, rank=record.rank, end=end, score=cand["ratio"], evidence=evidence,
-        )
+        return candidate_finding(self, self.config.signal, record, cand, severity, what, end=end, extra=extra)
 
     def finish(self) -> list[Finding]:
         """Flush a candidate that the end of the records left unconfirmed (WARNING)."""
