@@ -12,6 +12,7 @@ from stability.detectors.nan import NanConfig, NanDetector
 from stability.detectors.plateau import PlateauConfig, PlateauDetector
 from stability.detectors.ranking import Ranking, rank_causes
 from stability.detectors.spike import SpikeConfig, SpikeDetector
+from stability.detectors.update import UpdateConfig, UpdateRatioDetector
 from stability.detectors.vanish import GradVanishingDetector, VanishConfig
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
     "Severity",
     "SpikeConfig",
     "SpikeDetector",
+    "UpdateConfig",
+    "UpdateRatioDetector",
     "VanishConfig",
     "rank_causes",
 ]

@@ -91,8 +91,10 @@ class Window:
         self._n = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-data state."""
-        return {"x": self.x.tolist(), "y": self.y.tolist()}
+        """Plain-data state (x values are steps: stored as integers when they are, which msgpack packs small)."""
+        xs = self.x
+        return {"x": xs.astype(np.int64).tolist() if np.all(xs == np.round(xs)) else xs.tolist(),
+                "y": self.y.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""

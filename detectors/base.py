@@ -30,6 +30,7 @@ KINDS: tuple[str, ...] = (
     "activation_growth",
     "logit_divergence",
     "rank_disagreement",
+    "update_ratio_jump",
     "plateau",
 )
 """Finding kinds produced by the built-in detectors."""

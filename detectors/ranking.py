@@ -282,7 +282,7 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
         else:
             hints.add("numerical_nan", 0.95, f"{what}; no loss-scale collapse before it")
     elif finding.kind in ("loss_spike", "divergence", "grad_explosion", "activation_growth",
-                          "attention_logit_growth"):
+                          "attention_logit_growth", "update_ratio_jump"):
         if scale is not None:
             hints.add("fp16_loss_scale", 0.85 if scale.lead > 0 else 0.5, _fmt(scale, event), "loss_scale")
         precursors += _gradient_rules(finding, history, hints, event)
@@ -446,6 +446,8 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
         hints.add("lr_too_high", *_confirm(history, first, t0, 0.65, f"{_fmt(first, event)}; lr unchanged"),
                   first.signal)
         _localized_attention(finding, history, hints, event, rises)
+    if finding.kind == "update_ratio_jump" and not jumped:
+        _update_jump_rule(finding, history, hints)
     if first is not None:
         found.append(first)
     adam = _adam_rule(history, hints, t0, event, first)
@@ -455,12 +457,35 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
                          _modules(mods, "grad_norm")) if m is not None]
     if falls:
         hints.add("vanishing_gradients", 0.6, _fmt(min(falls, key=lambda m: m.peak), event))
-    if lr.rising:
+    _warmup_rule(history, hints, t0, event)
+    return found
+
+
+NO_WARMUP_START = 10
+"""A run whose first LR record is at step <= this and whose LR did not ramp up (or ramped for at most this many
+steps) had no real warm-up."""
+NO_WARMUP_STEPS = 100
+"""... and an instability in its first this many steps points at the missing warm-up: Adam's second moment is
+still settling (BLOOM re-warmed after an optimizer reset for 5 / (1 - beta2) = 100 steps at beta2 = 0.95;
+root-causes.md #8). Later instabilities of such a run get no warm-up hint (a fine-tune without warm-up is
+common and usually fine)."""
+
+
+def _warmup_rule(history: History, hints: _Hints, t0: int, event: str) -> None:
+    """Instability while the LR warms up, within 3x the warm-up, or early in a run with no (or a token) warm-up
+    -> ``warmup_too_short``."""
+    lr, first = history.lr, history.first_step
+    from_start = first is not None and first <= NO_WARMUP_START and lr.records > 0
+    token = lr.warmup_end is not None and lr.warmup_end <= NO_WARMUP_START
+    if from_start and (not lr.ramp_started or token) and t0 <= NO_WARMUP_STEPS:
+        what = "no LR warm-up" if not lr.ramp_started else f"a {plural(lr.warmup_end or 0, 'step')} LR warm-up"
+        hints.add("warmup_too_short", 0.8, f"{event} at step {t0} of a run with {what} (peak lr {lr.peak:.3g}): "
+                                           "Adam's second moment has not settled yet", "lr")
+    elif lr.rising:
         hints.add("warmup_too_short", 0.7, f"{event} at step {t0} while the LR is still warming up")
     elif lr.warmup_end is not None and t0 <= 3 * lr.warmup_end:
         hints.add("warmup_too_short", 0.55, f"{event} at step {t0}, within 3x the warm-up (LR peaked at step "
                                             f"{lr.warmup_end})")
-    return found
 
 
 def _adam_rule(history: History, hints: _Hints, t0: int, event: str, first: Move | None) -> Move | None:
@@ -481,6 +506,21 @@ def _adam_rule(history: History, hints: _Hints, t0: int, event: str, first: Move
 
 ATTENTION_MODULE = re.compile(r"attn|attention|qkv|q_proj|k_proj|query|key", re.IGNORECASE)
 """Module names of attention input projections (whose fast updates grow the attention logits)."""
+
+
+def _update_jump_rule(finding: Finding, history: History, hints: _Hints) -> None:
+    """An update-ratio jump with the logged LR unchanged: only attention projections jumped (a strict minority of
+    the layers) -> ``attention_logit_growth``; otherwise the effective step grew -> ``lr_too_high`` (weaker)."""
+    module = finding.signal.split("/", 1)[1] if "/" in finding.signal else ""
+    jumped = int(finding.evidence.get("layers", 1.0))
+    layers = len(_modules(history.modules, "update_ratio"))
+    where = f"{finding.signal} jumped {finding.score:.3g}x"
+    if ATTENTION_MODULE.search(module) and layers >= 3 and 2 * jumped <= layers:
+        hints.add("attention_logit_growth", 0.75, f"{where} ({plural(jumped, 'layer')} of {layers}, attention "
+                                                  "projections) while the logged lr did not change", finding.signal)
+    else:
+        hints.add("lr_too_high", 0.6, f"{where} ({plural(jumped, 'layer')}) while the logged lr did not change: "
+                                      "the effective step size grew", finding.signal)
 
 
 def _localized_attention(finding: Finding, history: History, hints: _Hints, event: str, rises: list[Move]) -> None:

@@ -9,6 +9,12 @@ Rules (calibrated on the clean modded-nanogpt baselines in ``/work/shared/data/r
   points. Across the ~61k steps of clean baselines no step-to-step rise of the median of the first points reaches
   1.5x (start-up transients fall), and a candidate still has to be confirmed by the next step.
 * **Huge jump** (``ratio >= immediate_ratio``, 3x): ERROR at once (delay 0).
+* **Averaged records** (``loss_steps`` = s > 1: the logged loss is the mean of s steps, as Megatron and the HF
+  Trainer log it): a candidate whose mean rose ``ratio`` would need one batch of ``1 + s * (ratio - 1)`` to be a
+  batch outlier, so that *implied one-step ratio* is what the huge-jump rule compares (a 10-step mean 1.77x up =
+  one 8.7x batch or a sustained jump: ERROR at once). One such record is also enough history for the few-points
+  rule (it already averages ``few_min_points`` steps or more). On 10-step means of the clean baselines no record
+  rises even 1.15x over the previous one, so this cannot fire on their noise.
 * **Confirmation** at the next record: if that loss passes the same test against the same (frozen) baseline the
   spike is real: ``loss_spike`` ERROR (WARNING when the peak ratio is below ``error_ratio``), delay 1. If it
   reverted it was a one-step batch-content jump (36 such in the clean 1.5B run, all reverting):
@@ -27,7 +33,7 @@ from typing import Any
 from stability.detectors._candidate import candidate_finding
 from stability.detectors._stats import Baseline, Prediction, log_positive
 from stability.detectors.base import Finding, Severity
-from stability.records import StepRecord
+from stability.records import StepRecord, loss_steps
 
 __all__ = ["SpikeConfig", "SpikeDetector"]
 
@@ -85,7 +91,9 @@ class SpikeDetector:
             out = [self._reverted(record, pending)]
             self._base.accept(record.step, y)
             return out
-        if len(self._base) < self.config.few_min_points:
+        steps = loss_steps(record)
+        needed = 1 if steps >= self.config.few_min_points else self.config.few_min_points
+        if len(self._base) < needed:
             self._base.accept(record.step, y)
             return []
         pred = self._base.predict(record.step)
@@ -95,9 +103,15 @@ class SpikeDetector:
         ratio = math.exp(y - pred.level)
         cand = {"step": record.step, "y": y, "level": pred.level, "scale": pred.scale, "ratio": ratio,
                 "z": pred.z(y), "points": pred.points, "rank": record.rank}
-        if ratio >= self.config.immediate_ratio:
+        implied = 1.0 + steps * (ratio - 1.0)
+        if implied >= self.config.immediate_ratio:
             self._active = {**cand, "peak": ratio, "last": record.step, "records": 0}
-            return [self._finding(record, cand, Severity.ERROR, f"jumped {ratio:.2f}x over its baseline")]
+            what = f"jumped {ratio:.2f}x over its baseline"
+            if steps > 1:
+                what += (f" (the loss is a mean over {steps:g} steps: one batch alone would have to be "
+                         f"{implied:.1f}x, so the jump is sustained)")
+            return [self._finding(record, cand, Severity.ERROR, what,
+                                  extra={"loss_steps": steps} if steps > 1 else None)]
         self._pending = cand
         return []
 

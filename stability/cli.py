@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     pm.add_argument("--json", dest="json_out", type=Path, default=None, help="write findings JSON here")
     pm.add_argument("--html", dest="html_out", type=Path, default=None, help="write a self-contained HTML report")
     pm.add_argument("--run-id", default=None, help="run id for a CSV source (default: the file name)")
+    pm.add_argument("--loss-averaged", choices=("auto", "yes", "no"), default="auto",
+                    help="each CSV loss is the mean over the log interval (Megatron, HF Trainer); auto: yes for "
+                    "files with Megatron's consumed_samples and skipped_iters columns")
     return parser
 
 
@@ -70,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 def _postmortem(args: argparse.Namespace) -> int:
     from stability import postmortem, report
 
-    result = postmortem.run(args.source, json_out=args.json_out, html_out=args.html_out, run_id=args.run_id)
+    averaged = {"auto": None, "yes": True, "no": False}[args.loss_averaged]
+    result = postmortem.run(args.source, json_out=args.json_out, html_out=args.html_out, run_id=args.run_id,
+                            loss_averaged=averaged)
     print(report.render_text(result))
     if args.json_out:
         print(f"findings: {args.json_out}")

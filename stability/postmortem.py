@@ -6,6 +6,11 @@ Sources:
   ``grad_norm``, ``grad_norm/h.3.attn``, ...); optional ``rank``, ``run_id``, ``batch`` and ``host`` columns;
   columns with no numeric cell (``episode``, ``note``) are ignored; ``nan``, ``NAN``, ``inf``, ``Infinity`` and
   scientific notation are accepted; an empty cell means absent.
+* Averaged losses: Megatron prints the mean ``lm loss`` over its ``log_interval`` and the HF Trainer the mean over
+  ``logging_steps``; with ``loss_averaged=True`` (CLI ``--loss-averaged yes``) each record gets a ``loss_steps``
+  signal = the log interval, read as the smallest step gap of its rank. The default (``None``, CLI ``auto``)
+  assumes it for files with Megatron's log-line fields (``consumed_samples`` and ``skipped_iters`` columns) and
+  nowhere else; a ``loss_steps`` column always wins. The detectors read it (``detectors/spike.py``).
 * a run directory (:func:`load_run_dir`): the worker's Parquet archive ``archive/*.parquet`` plus any spool files
   ``spool/spool-rank*.bin`` the training process could not send.
 
@@ -16,12 +21,13 @@ Sources:
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import logging
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,7 @@ __all__ = ["PostmortemResult", "analyze", "load_csv", "load_csv_groups", "load_r
 logger = logging.getLogger(__name__)
 
 _META_COLUMNS = ("rank", "run_id", "batch", "host")
+_MEGATRON_FIELDS = ("consumed_samples", "skipped_iters")
 _ARCHIVE_META = ("run_id", "rank", "step", "wall_time", "host", "batch", "entry_id")
 
 
@@ -84,7 +91,8 @@ def _numeric_columns(path: Path, header: list[str], rows: list[list[str]], skip:
 
 
 def load_csv_groups(path: str | Path, group_column: str | None = None, *, step_column: str = "step",
-                    rename: Mapping[str, str] | None = None, run_id: str | None = None) -> dict[str, list[StepRecord]]:
+                    rename: Mapping[str, str] | None = None, run_id: str | None = None,
+                    loss_averaged: bool | None = None) -> dict[str, list[StepRecord]]:
     """Like :func:`load_csv`, split by the text of ``group_column`` (e.g. ``episode`` of an excerpt file).
 
     Without ``group_column`` everything is one group named ``""``.
@@ -113,7 +121,24 @@ def load_csv_groups(path: str | Path, group_column: str | None = None, *, step_c
         record = StepRecord(run_id=rid or default_run, step=step, rank=rank, signals=signals, batch=batch, host=host)
         key = cells[index[group_column]].strip() if group_column else ""
         groups.setdefault(key, {})[(rank, step)] = record
-    return {key: sorted(recs.values(), key=lambda r: (r.rank, r.step)) for key, recs in groups.items()}
+    if loss_averaged is None:
+        loss_averaged = set(_MEGATRON_FIELDS) <= set(header)
+        if loss_averaged:
+            logger.info("%s: Megatron log fields present: each loss is taken as the mean over the log interval",
+                        path)
+    out = {key: sorted(recs.values(), key=lambda r: (r.rank, r.step)) for key, recs in groups.items()}
+    return {key: _with_loss_steps(recs) for key, recs in out.items()} if loss_averaged else out
+
+
+def _with_loss_steps(records: list[StepRecord]) -> list[StepRecord]:
+    """Add ``loss_steps`` = the log interval (smallest positive step gap of the rank) where it is missing."""
+    steps_by_rank: dict[int, list[int]] = {}
+    for record in records:
+        steps_by_rank.setdefault(record.rank, []).append(record.step)
+    interval = {rank: min((b - a for a, b in itertools.pairwise(steps) if b > a), default=1)
+                for rank, steps in steps_by_rank.items()}
+    return [r if interval[r.rank] <= 1 or "loss_steps" in r.signals
+            else replace(r, signals={**r.signals, "loss_steps": float(interval[r.rank])}) for r in records]
 
 
 def _int_cell(path: Path, line: int, column: str, cell: str) -> int:
@@ -132,7 +157,7 @@ def _int_cell(path: Path, line: int, column: str, cell: str) -> int:
 
 
 def load_csv(path: str | Path, *, step_column: str = "step", rename: Mapping[str, str] | None = None,
-             run_id: str | None = None) -> list[StepRecord]:
+             run_id: str | None = None, loss_averaged: bool | None = None) -> list[StepRecord]:
     """Read a CSV of per-step signals into records, sorted by step within each rank.
 
     Args:
@@ -140,11 +165,14 @@ def load_csv(path: str | Path, *, step_column: str = "step", rename: Mapping[str
         step_column: the column holding the optimizer step (default ``step``).
         rename: column -> signal name (e.g. ``{"train_loss": "loss"}``).
         run_id: run id of the records when the file has no ``run_id`` column (default: from the file name).
+        loss_averaged: each row's loss is the mean since the previous logged step (``True``), a one-step value
+            (``False``), or ``None``: assumed for Megatron log fields only (see the module docstring).
 
     Raises:
         SourceError: unreadable file, no step column, or a cell that is not a number (names file, line, column).
     """
-    groups = load_csv_groups(path, None, step_column=step_column, rename=rename, run_id=run_id)
+    groups = load_csv_groups(path, None, step_column=step_column, rename=rename, run_id=run_id,
+                             loss_averaged=loss_averaged)
     return groups.get("", [])
 
 
@@ -280,10 +308,11 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
 
 
 def run(source: str | Path, json_out: str | Path | None = None, html_out: str | Path | None = None, *,
-        run_id: str | None = None) -> PostmortemResult:
+        run_id: str | None = None, loss_averaged: bool | None = None) -> PostmortemResult:
     """Load ``source`` (CSV file or run directory), analyse it and write the requested reports.
 
-    ``run_id`` overrides the run id (default: the records' own, or the CSV file name).
+    ``run_id`` overrides the run id (default: the records' own, or the CSV file name); ``loss_averaged`` is
+    passed to :func:`load_csv`.
 
     Raises:
         SourceError: the source cannot be read or holds no records.
@@ -292,7 +321,7 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
     if source.is_dir():
         records = load_run_dir(source)
     elif source.exists():
-        records = load_csv(source, run_id=run_id)
+        records = load_csv(source, run_id=run_id, loss_averaged=loss_averaged)
     else:
         raise SourceError(f"{source}: no such file or directory")
     if not records:

@@ -39,6 +39,7 @@ __all__ = [
     "StepRecord",
     "decode",
     "encode",
+    "loss_steps",
     "split_signal",
 ]
 
@@ -58,8 +59,20 @@ GLOBAL_SIGNALS: tuple[str, ...] = (
     "nonfinite_grads",
     "logit_z",
     "batch_loss_max",
+    "loss_steps",
 )
-"""Well-known global signals (others are accepted too)."""
+"""Well-known global signals (others are accepted too).
+
+``loss_steps`` is metadata carried as a signal: the number of optimizer steps the record's ``loss`` is the mean of
+(Megatron's ``log_interval``, HF Trainer's ``logging_steps``); absent means 1 (the hooks report every step). It
+changes what a jump means: a mean over 10 steps that rises 1.8x cannot be one bad batch (that batch alone would
+have to be 9x), see ``detectors/spike.py``."""
+
+
+def loss_steps(record: StepRecord) -> float:
+    """How many optimizer steps ``record``'s loss averages (``loss_steps`` signal; 1 when absent or invalid)."""
+    value = record.signals.get("loss_steps", 1.0)
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value >= 1 else 1.0
 
 PER_MODULE_QUANTITIES: tuple[str, ...] = (
     "grad_norm",

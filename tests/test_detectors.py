@@ -11,6 +11,7 @@ import pytest
 
 from stability.detectors import RunDiagnoser, Severity
 from stability.detectors.nan import NanDetector
+from stability.evaluation.labels import coarse_views
 from stability.postmortem import analyze, load_csv, load_csv_groups
 from stability.records import StepRecord
 
@@ -203,14 +204,37 @@ def test_state_is_compact() -> None:
 @needs_real
 @pytest.mark.parametrize("path", sorted(REAL.glob("mng_*.csv")), ids=lambda p: p.stem)
 def test_clean_real_baselines_raise_no_warning_or_error(path: Path) -> None:
-    result = analyze(load_csv(path), path.stem)
-    assert [e for e in result.events if e["severity"] != "info"] == []
+    records = load_csv(path)
+    for view, recs in {"per-step": records, **coarse_views(records)}.items():
+        result = analyze(recs, path.stem)
+        assert [e for e in result.events if e["severity"] != "info"] == [], view
+
+
+def averaged(values: list[float], steps: float | None, every: int = 10) -> list[StepRecord]:
+    extra = {} if steps is None else {"loss_steps": steps}
+    return [StepRecord(run_id="r", step=6900 + every * i, signals={"loss": v, **extra}) for i, v in enumerate(values)]
+
+
+def test_averaged_loss_makes_a_jump_sustained_and_a_short_rise_a_divergence() -> None:
+    jump = [6.44, 11.42, 7.16]  # tr8-104B exp1, Megatron means over 10 iterations
+    alerts, _ = run(averaged(jump, 10.0))
+    assert [(a.kind, a.step, a.severity) for a in serious(alerts)] == [("loss_spike", 6910, Severity.ERROR)]
+    assert "one batch alone would have to be 8.7x" in alerts[0].message
+    assert serious(run(averaged(jump, None))[0]) == []  # one per-step point is no baseline
+    rise = [6.37, 6.60, 7.31, 9.12, 10.24]  # tr8-104B exp2
+    alerts, _ = run(averaged(rise, 10.0))
+    assert [(a.kind, a.step, a.onset) for a in serious(alerts)] == [("divergence", 6940, 6910)]
+    assert serious(run(averaged(rise, None))[0]) == []  # per-step losses rise like this by chance (1.95x seen)
+    assert serious(run(averaged(rise, 2.0))[0]) == []  # 2-step means are still too noisy for the rule
 
 
 EXPECTED_EXCERPTS = {
-    # episode: (kind, first alerted step) -- exp1 (one point of context, 1.77x) and exp2 (a 1.47x rise over four
-    # records sampled every 10 iterations) are below what can be told from clean-run noise with so few points.
-    "huge_lm_loss_spike_29050": ("loss_spike", 29060),
+    # episode: (kind, first alerted step). tr1 and tr8 exp1/exp2 are Megatron lines every 10 iterations whose loss
+    # is the mean over the interval (loss_steps = 10): a 2.65x / 1.77x mean cannot be one batch -> error at once;
+    # exp2's four rising means (1.61x) are a divergence with no history at all.
+    "huge_lm_loss_spike_29050": ("loss_spike", 29050),
+    "exp1_seed42_glitch_7000-7010": ("loss_spike", 7010),
+    "exp2_seed43_glitch_6900-6940": ("divergence", 6940),
     "first_lm_loss_spike_31216-31250": ("loss_spike", 31220),
     "exp11_spike_11447": ("loss_spike", 11448),
     "exp12_spike_8740_then_diverged_9026": ("loss_spike", 9026),

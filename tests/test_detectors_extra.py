@@ -293,3 +293,21 @@ def test_every_new_finding_has_a_remedy_a_rollback_step_and_batches_to_skip() ->
         assert f.causes and all(c.remedy for c in f.causes)
         assert f.rollback_step is not None and f.rollback_step < f.onset
         assert f.skip_batches and f.skip_batches[0] == f"b{f.onset}"
+
+
+# --- update-ratio jumps --------------------------------------------------------------------------------------------
+
+
+def test_update_ratio_jump_names_the_largest_layer_counts_the_others_and_cools_down() -> None:
+    s = base()
+    rng = np.random.default_rng(3)
+    for i in range(4):
+        s[f"update_ratio/h.{i}"] = np.full(N, np.nan)
+        s[f"update_ratio/h.{i}"][::10] = 1e-3 * np.exp(rng.normal(0, 0.1, N // 10))  # sampled every 10 steps
+    s["update_ratio/h.2"][400] *= 50.0
+    s["update_ratio/h.3"][400] *= 20.0
+    s["update_ratio/h.2"][410] *= 50.0  # the next sample of the same series: within the cooldown
+    alerts, _ = diagnose(to_records(s))
+    jumps = [a for a in alerts if a.kind == "update_ratio_jump"]
+    assert [(a.step, a.signal, a.severity) for a in jumps] == [(400, "update_ratio/h.2", Severity.WARNING)]
+    assert "1 more layers jumped too" in jumps[0].message and jumps[0].evidence["layers"] == 2.0

@@ -59,6 +59,23 @@ def test_csv_errors_name_file_line_and_column(tmp_path: Path, text: str, message
     assert str(path) in str(info.value)
 
 
+def test_averaged_losses_get_the_log_interval_as_loss_steps(tmp_path: Path) -> None:
+    megatron = write(tmp_path, "step,loss,consumed_samples,skipped_iters\n7000,6.44,260912,0\n7010,11.42,261872,0\n"
+                               "7220,7.16,282032,0\n")
+    assert [r.signals.get("loss_steps") for r in load_csv(megatron)] == [10.0, 10.0, 10.0]  # smallest step gap
+    assert all("loss_steps" not in r.signals for r in load_csv(megatron, loss_averaged=False))
+    plain = write(tmp_path, "step,loss\n0,3.0\n10,2.9\n20,2.8\n", "plain.csv")
+    assert all("loss_steps" not in r.signals for r in load_csv(plain))  # auto: only Megatron's log fields
+    assert [r.signals["loss_steps"] for r in load_csv(plain, loss_averaged=True)] == [10.0] * 3
+    own = write(tmp_path, "step,loss,loss_steps\n0,3.0,4\n10,2.9,4\n", "own.csv")
+    assert [r.signals["loss_steps"] for r in load_csv(own, loss_averaged=True)] == [4.0, 4.0]  # the column wins
+    per_step = write(tmp_path, "step,loss\n5,3.0\n6,2.9\n", "per_step.csv")
+    assert all("loss_steps" not in r.signals for r in load_csv(per_step, loss_averaged=True))
+    result = run(megatron)  # 1.77x in a 10-step mean: one batch alone would have to be 8.7x
+    assert [(e["kind"], e["step"], e["severity"]) for e in result.events][:1] == [("loss_spike", 7010, "error")]
+    assert not [e for e in run(megatron, loss_averaged=False).events if e["severity"] != "info"]
+
+
 def test_csv_rename_and_step_column(tmp_path: Path) -> None:
     path = write(tmp_path, "log_index,train_loss\n2,1.5\n1,1.25\n")
     recs = load_csv(path, step_column="log_index", rename={"train_loss": "loss"})

@@ -343,3 +343,42 @@ def test_update_ratios_rising_in_every_layer_with_lr_unchanged_is_not_attention(
     incident = next(i for i in diag.incidents if "loss_spike" in i.kinds)
     assert incident.headline.causes[0].cause == "lr_too_high", incident.headline.causes
     assert "attention_logit_growth" not in [c.cause for c in incident.headline.causes]
+
+
+def test_update_ratio_jump_with_the_lr_is_an_early_lr_too_high_warning() -> None:
+    s = base()
+    s["lr"][500:502] *= 200.0
+    s["update_ratio/h.1.attn"][500:502] *= 200.0
+    s["loss"][501:506] *= 2.0
+    alerts, _ = diagnose(s)
+    first, second = alerts[:2]
+    assert (first.kind, first.step, first.severity) == ("update_ratio_jump", 500, Severity.WARNING)
+    assert first.causes[0].cause == "lr_too_high" and "lr raised 200x at step 500" in first.causes[0].evidence
+    assert "update_ratio/h.1.attn jumped" in first.message
+    assert (second.kind, second.step, second.severity) == ("loss_spike", 502, Severity.ERROR)
+
+
+def test_update_ratios_follow_the_warmup_and_noise_without_alarm() -> None:
+    s = base()
+    ramp = np.minimum(1.0, (np.arange(N) + 1) / 100.0)
+    s["lr"] = ramp * 1e-3
+    s["update_ratio/h.1.attn"] = s["update_ratio/h.1.attn"] * ramp  # updates grow 100x with the LR ramp
+    s["update_ratio/h.1.attn"][300::7] *= 3.0  # and wobble 3x
+    alerts, _ = diagnose(s)
+    assert [a for a in alerts if a.kind == "update_ratio_jump"] == []
+
+
+def test_early_spike_in_a_run_without_warmup_points_at_the_warmup() -> None:
+    s = base()
+    s["loss"][60:66] *= 2.0
+    alerts, _ = diagnose(s)  # lr 1e-3 from step 0: no warm-up at all
+    spike = next(a for a in alerts if a.kind == "loss_spike")
+    assert spike.causes[0].cause == "warmup_too_short", spike.causes
+    assert "no LR warm-up" in spike.causes[0].evidence
+    resumed = RunDiagnoser()  # the same spike in records that start mid-run (a resume or an excerpt)
+    alerts = []
+    for step in range(N):
+        signals = {k: float(v[step]) for k, v in s.items()}
+        alerts += resumed.update(StepRecord(run_id="r", step=20_000 + step, signals=signals))
+    spike = next(a for a in alerts if a.kind == "loss_spike")
+    assert "warmup_too_short" not in [c.cause for c in spike.causes]

@@ -10,19 +10,28 @@ source text that justifies it (from ``real-runs/README.md`` and shared reference
 follow the same rule as the synthetic corpus: the first row whose loss is >= 1.5x the last pre-event row, or
 non-finite; ``precursor_start`` is the first row where the source says a precursor (grad norm, loss scale) moved.
 Causes are given only where the source states one; otherwise ``cause=None`` (not scored for AC@k).
+
+Logging regimes: the clean baselines are logged every step; the bigscience excerpts are Megatron log lines, some
+every 10 iterations, whose ``lm loss`` is the *mean* over the log interval (``loss_steps``, set by
+:func:`~stability.postmortem.load_csv` from the Megatron fields). So that rules written for coarse logs are held
+to the same false-alarm standard, each clean baseline is also scored in two coarse views (:func:`coarse_views`):
+10-step means (``@mean10``, as Megatron / the HF Trainer would log it) and every 10th step (``@every10``, as
+nanoGPT's ``log_interval`` samples it).
 """
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from stability.evaluation.corpus import Event, GeneratedRun
 from stability.postmortem import load_csv, load_csv_groups
+from stability.records import StepRecord
 
-__all__ = ["CLEAN_BASELINES", "EXCERPTS", "Excerpt", "default_data_dir", "load_real"]
+__all__ = ["CLEAN_BASELINES", "EXCERPTS", "Excerpt", "coarse_views", "default_data_dir", "load_real"]
 
 CLEAN_BASELINES: tuple[str, ...] = (
     "mng_llmc_gpt2_124M_2024-10-13.csv",
@@ -131,7 +140,10 @@ def load_real(data_dir: Path | None = None, *, clean: bool = True, excerpts: boo
         for name in CLEAN_BASELINES:
             path = root / name
             if path.exists():
-                runs.append(GeneratedRun(name=path.stem, records=load_csv(path), clean=True, source="real-clean"))
+                records = load_csv(path)
+                runs.append(GeneratedRun(name=path.stem, records=records, clean=True, source="real-clean"))
+                runs.extend(GeneratedRun(name=f"{path.stem}@{view}", records=recs, clean=True, source="real-clean")
+                            for view, recs in coarse_views(records).items())
     if excerpts:
         for ex in EXCERPTS:
             path = root / ex.file
@@ -142,3 +154,18 @@ def load_real(data_dir: Path | None = None, *, clean: bool = True, excerpts: boo
             name = f"{path.stem}:{ex.group}" if ex.group else path.stem
             runs.append(GeneratedRun(name=name, records=records, events=list(ex.events), source="real-excerpt"))
     return runs
+
+
+def coarse_views(records: Sequence[StepRecord], every: int = 10) -> dict[str, list[StepRecord]]:
+    """``{"mean<every>": ..., "every<every>": ...}``: the per-step loss logged coarsely (one rank).
+
+    ``mean``: one record per ``every`` consecutive loss records, at the last one's step, with the mean loss and
+    ``loss_steps = every``; ``every``: each ``every``-th loss record as it is.
+    """
+    losses = [r for r in records if math.isfinite(r.get("loss"))]
+    means = [
+        StepRecord(run_id=chunk[-1].run_id, step=chunk[-1].step, rank=chunk[-1].rank,
+                   signals={"loss": sum(r.get("loss") for r in chunk) / every, "loss_steps": float(every)})
+        for chunk in (losses[i : i + every] for i in range(0, len(losses) - every + 1, every))
+    ]
+    return {f"mean{every}": means, f"every{every}": losses[every - 1 :: every]}
