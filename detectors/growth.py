@@ -81,9 +81,7 @@ class GrowthDetector:
         """Consume one record."""
         cfg = self.config
         self._lr.update(record.step, record.get("lr"))
-        warmup_end = self._lr.warmup_end
-        warming = self._lr.rising or (warmup_end is None and self._lr.ramp_started) or (
-            warmup_end is not None and record.step < cfg.warmup_gate * warmup_end)
+        warming = self._lr.in_warmup(record.step, cfg.warmup_gate)
         best: dict[str, tuple[float, Finding]] = {}
         count: dict[str, int] = {}
         for name, value in record.signals.items():

@@ -134,6 +134,11 @@ class LrTracker:
         self.last = lr
         self._prev_step = step
 
+    def in_warmup(self, step: int, gate: float = 1.0) -> bool:
+        """True while the warm-up ramp rises, or at ``step`` before ``gate`` times the step it ended."""
+        end = self.warmup_end
+        return self.rising or (end is None and self.ramp_started) or (end is not None and step < gate * end)
+
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
         return dict(vars(self))

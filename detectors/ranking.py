@@ -13,11 +13,16 @@ Structure and evidence first, statistics only to confirm or break ties. For a fi
   intervention: it precedes everything it causes).
 * NaN -> ``numerical_nan``; ``fp16_loss_scale`` first if the loss scale collapsed (>= 4x) before it.
 * loss scale collapsing first -> ``fp16_loss_scale``.
-* a one-step jump that reverted, or a spike with no precursor -> ``bad_batch``.
+* a one-step jump that reverted, or a spike with no precursor -> ``bad_batch`` (weaker when an IsolationForest
+  over the global signals isolates the records just before the onset: :mod:`~stability.detectors.oddity`).
 * global / per-layer grad norm or update ratio rising >= 3x in the ``lead`` steps before (or a per-layer update
   ratio >= 2x and >= 6 robust sigmas of its own log noise) -> ``lr_too_high``; strong when the LR itself jumped or
   rose >= 1.5x (ramp) after the warm-up within 100 steps ("lr rose 23x over the 60 steps before the onset").
-* inside the LR warm-up ramp, or within 3x its length -> ``warmup_too_short``.
+* inside the LR warm-up ramp, or within 3x its length, or in the first 100 steps of a run with no (or a
+  <= 10-step) warm-up -> ``warmup_too_short``; weakly (0.3) when the records start mid-run less than 100 steps
+  before the onset (an excerpt: the schedule before it is unknown).
+* an ``update_ratio_jump`` with the logged LR unchanged: only attention projections -> ``attention_logit_growth``,
+  else ``lr_too_high`` (weak).
 * a layer's ``adam_v_ratio`` jumping 1-8 steps before -> ``adam_second_moment`` (weak when a gradient or
   update-ratio precursor moved earlier: the earliest deviating signal wins).
 * LR unchanged and the update ratios that rose first are only attention projections (a strict minority of the
@@ -30,8 +35,8 @@ Structure and evidence first, statistics only to confirm or break ties. For a fi
 Confirmation: the first gradient precursor's lead over the loss is checked by cross-correlating step changes of
 both (:func:`lead_lag`, both directions): +0.05 when it leads, -0.1 when it lags. When the two best causes are
 within :data:`TIE`, a Granger test (statsmodels, imported lazily, :func:`granger_p`) breaks the tie. The max-z
-"most deviating signal" is not a rule of its own (it is what the magnitude rules measure); an IsolationForest
-feature was not added (no scenario it would decide that the rules do not).
+"most deviating signal" is not a rule of its own (it is what the magnitude rules measure); the IsolationForest
+oddity only tempers the "no precursor" claim of ``bad_batch``.
 
 Each finding also gets ``rollback_step`` (the last recorded step before the earliest precursor) and
 ``skip_batches`` (batch ids of the anomalous steps, when the records carry them).
@@ -50,6 +55,7 @@ from stability.detectors._stats import mad_scale, median, plural
 from stability.detectors.base import CauseHint, Finding
 from stability.detectors.causes import remedy
 from stability.detectors.history import History, Ring
+from stability.detectors.oddity import precursor_oddity
 
 __all__ = ["KIND_CAUSE", "Move", "Ranking", "find_move", "granger_p", "lead_lag", "lr_rise", "rank_causes",
            "robust_move"]
@@ -288,7 +294,7 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
         precursors += _gradient_rules(finding, history, hints, event)
         _slow_rules(finding, history, hints, event)
         _overflow_rules(finding, history, hints, event)
-        _data_rules(finding, hints, precursors)
+        _data_rules(finding, history, hints, precursors)
     hints.tie_break(history, t0)
     rollback = _rollback(history, min([t0] + [m.step for m in precursors]))
     return Ranking(hints.ranked(), rollback, _skip_batches(finding, history))
@@ -486,6 +492,10 @@ def _warmup_rule(history: History, hints: _Hints, t0: int, event: str) -> None:
     elif lr.warmup_end is not None and t0 <= 3 * lr.warmup_end:
         hints.add("warmup_too_short", 0.55, f"{event} at step {t0}, within 3x the warm-up (LR peaked at step "
                                             f"{lr.warmup_end})")
+    elif first is not None and not from_start and not lr.ramp_started and t0 - first <= NO_WARMUP_STEPS:
+        hints.add("warmup_too_short", 0.3, f"the records start at step {first}, {plural(t0 - first, 'step')} before "
+                                           f"{event}: the LR schedule before them is unknown (an instability soon "
+                                           "after the warm-up is common)")
 
 
 def _adam_rule(history: History, hints: _Hints, t0: int, event: str, first: Move | None) -> Move | None:
@@ -616,7 +626,7 @@ def _overflow_rules(finding: Finding, history: History, hints: _Hints, event: st
         hints.add("fp16_loss_scale", 0.8, "; ".join(notes), "loss_scale")
 
 
-def _data_rules(finding: Finding, hints: _Hints, precursors: list[Move]) -> None:
+def _data_rules(finding: Finding, history: History, hints: _Hints, precursors: list[Move]) -> None:
     if finding.evidence.get("reverted"):
         hints.add("bad_batch", 0.9, f"one-step jump at step {finding.onset} with no lasting effect: it reverted "
                                     "at the next step, not an instability of the run")
@@ -625,8 +635,14 @@ def _data_rules(finding: Finding, hints: _Hints, precursors: list[Move]) -> None
         return
     if finding.kind == "loss_spike":
         ratio = finding.evidence.get("ratio", math.nan)
-        hints.add("bad_batch", 0.6, f"loss jumped {ratio:.3g}x at step {finding.onset} with no precursor in "
-                                    "gradients, update ratios, LR or loss scale")
+        text = (f"loss jumped {ratio:.3g}x at step {finding.onset} with no precursor in gradients, update ratios, "
+                "LR or loss scale")
+        odd = precursor_oddity(history, finding.onset)
+        if odd is not None:  # no single signal moved, but their combination did: weaker
+            steps = ", ".join(str(s) for s in odd.steps)
+            text += (f"; but IsolationForest finds the records at step {steps} unusual across {odd.signals} "
+                     "signals (a precursor no single-signal rule names)")
+        hints.add("bad_batch", 0.6 if odd is None else 0.45, text)
         hints.add("data_shift", 0.35, "the loss stayed elevated after the jump without a gradient precursor")
     elif finding.kind == "divergence":
         hints.add("data_shift", 0.5, "the loss level rose and stayed up without a gradient precursor")

@@ -75,9 +75,7 @@ class UpdateRatioDetector:
         """Consume one record."""
         cfg = self.config
         self._lr.update(record.step, record.get("lr"))
-        end = self._lr.warmup_end
-        warming = self._lr.rising or (end is None and self._lr.ramp_started) or (
-            end is not None and record.step < cfg.warmup_gate * end)
+        warming = self._lr.in_warmup(record.step, cfg.warmup_gate)
         jumps: list[tuple[float, str, float, float, float]] = []
         for name, value in record.signals.items():
             if split_signal(name)[0] != "update_ratio" or not (value > 0 and math.isfinite(value)):

@@ -89,8 +89,11 @@ def test_precursor_hits_against_the_random_alarm_baseline_at_the_same_rate():
     assert s.precursor_leads == [10]
     assert s.random_hit_rate == pytest.approx(1 - math.exp(-1e-4 * 50))
     assert s.precursor_ratio == pytest.approx(0.5 / (1 - math.exp(-1e-4 * 50)))
-    quiet = score([result(events, alarms), result([], [], steps=range(10_000), clean=True)])
-    assert quiet.random_hit_rate == pytest.approx(1 - math.exp(-1e-4 * 50))  # lambda floored at 1 / clean steps
+    quiet = score([result(events, alarms), result([], [], steps=range(50_000), clean=True)])
+    assert quiet.random_hit_rate == pytest.approx(1 - math.exp(-1e-4 * 50))  # floored at the 1/10k FA budget
+    noisy = score([result(events, alarms), result([], [Alarm(step=s) for s in range(0, 10_000, 100)],
+                                                  steps=range(10_000), clean=True)])
+    assert noisy.random_hit_rate == pytest.approx(1 - math.exp(-1e-2 * 50))  # 100 alarms in 10k steps
 
 
 def test_root_cause_accuracy_at_k_uses_the_first_alert_of_each_detected_event():

@@ -381,4 +381,36 @@ def test_early_spike_in_a_run_without_warmup_points_at_the_warmup() -> None:
         signals = {k: float(v[step]) for k, v in s.items()}
         alerts += resumed.update(StepRecord(run_id="r", step=20_000 + step, signals=signals))
     spike = next(a for a in alerts if a.kind == "loss_spike")
-    assert "warmup_too_short" not in [c.cause for c in spike.causes]
+    assert spike.causes[0].cause == "bad_batch"
+    weak = next(c for c in spike.causes if c.cause == "warmup_too_short")  # the schedule before is unknown
+    assert weak.score == 0.3 and "records start at step 20000" in weak.evidence
+
+
+def test_isolation_forest_tempers_bad_batch_when_the_records_before_were_odd_together() -> None:
+    """No single signal moves enough for its own rule before the jump (grad norm 1.8x up, loss scale 1.8x down),
+    but together they do: the forest isolates those records, so 'no precursor' is weaker and says why."""
+    from stability.detectors.history import History
+    from stability.detectors.oddity import precursor_oddity
+
+    s = base()
+    s["loss_scale"] = np.full(N, 65536.0) * np.exp(np.random.default_rng(2).normal(0, 0.05, N))
+    quiet = History()
+    odd = History()
+    s_odd = {k: v.copy() for k, v in s.items()}
+    s_odd["grad_norm"][497:500] *= 1.8
+    s_odd["loss_scale"][497:500] /= 1.8
+    for step in range(501):
+        quiet.push(StepRecord(run_id="r", step=step, signals={k: float(v[step]) for k, v in s.items()}))
+        odd.push(StepRecord(run_id="r", step=step, signals={k: float(v[step]) for k, v in s_odd.items()}))
+    assert precursor_oddity(quiet, 500) is None
+    found = precursor_oddity(odd, 500)
+    assert found is not None and set(found.steps) <= {497, 498, 499} and found.signals == 2
+    s_odd["loss"][500:504] *= 2.0
+    alerts, _ = diagnose(s_odd)
+    spike = next(a for a in alerts if a.kind == "loss_spike")
+    bad = next(c for c in spike.causes if c.cause == "bad_batch")
+    assert bad.score == 0.45 and "IsolationForest" in bad.evidence
+    plain = base()
+    plain["loss"][500:504] *= 2.0
+    alerts, _ = diagnose(plain)
+    assert next(a for a in alerts if a.kind == "loss_spike").causes[0].score == 0.6

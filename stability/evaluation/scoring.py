@@ -12,8 +12,9 @@ stability's findings and the simple baselines are scored by the same code.
 * **Precursor hit rate**: events whose defining signal moved after the injection (``onset > precursor_start``)
   with an alarm in ``[max(precursor_start, onset - l_pre), onset)``, against a random alarm process at the same
   rate as the detector's false alarms on clean runs: ``P = 1 - exp(-lambda * L)`` per event, averaged.
-  ``lambda`` is floored at 1 / (clean steps) so a detector with no clean alarm is not credited with an infinite
-  ratio.
+  ``lambda`` is floored at ``Protocol.min_alarm_rate`` (1 per 10k steps, the false-alarm budget of the targets):
+  a detector with fewer clean alarms is compared with a random process that spends the whole budget, so a
+  detector that never alarms on clean runs is not credited with a huge ratio.
 * **Root cause**: the first alarm of a detected event; AC@k = the true cause is among its first k causes.
 * **Faulty rank**: for a cross-rank event, the ranks an alarm blames are those it names as ``rank N`` in its
   text, else the ranks it fired on; the event's rank must be the only blamed one.
@@ -61,6 +62,8 @@ class Protocol:
     """Longest precursor window."""
     merge: int = 20
     """Alarms of one rank within this many steps of the previous one form one incident."""
+    min_alarm_rate: float = 1e-4
+    """Floor of the random alarm process's rate per step for the precursor comparison (the FA budget)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -346,6 +349,6 @@ def score(results: Iterable[RunResult], protocol: Protocol | None = None) -> Sco
                 out.rank_events += 1
                 out.ranks_named += bool(o.rank_named)
     if windows and out.clean_steps:
-        lam = max(out.clean_alarms, 1) / out.clean_steps
+        lam = max(out.clean_alarms / out.clean_steps, p.min_alarm_rate)
         out.random_hit_rate = float(np.mean([1.0 - math.exp(-lam * w) for w in windows]))
     return out
