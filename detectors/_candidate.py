@@ -6,9 +6,9 @@ baseline), ``ratio``, ``z`` and ``points`` (baseline size).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from stability.detectors._stats import safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord
 
@@ -20,11 +20,11 @@ def candidate_finding(
     end: int | None = None, extra: dict[str, float] | None = None,
 ) -> Finding:
     """A finding of ``detector`` (its ``name`` and ``kind``) about ``signal`` for the candidate ``cand``."""
-    baseline = math.exp(cand["level"])
+    baseline = safe_exp(cand["level"])
     evidence = {"ratio": cand["ratio"], "z": cand["z"], "baseline": baseline, "points": float(cand["points"])}
     evidence.update(extra or {})
     return Finding(
         kind=detector.kind, step=record.step, onset=cand["step"], severity=severity, signal=signal,
-        value=math.exp(cand["y"]), message=f"{signal} {what} (baseline {baseline:.4g})", detector=detector.name,
+        value=safe_exp(cand["y"]), message=f"{signal} {what} (baseline {baseline:.4g})", detector=detector.name,
         rank=record.rank, end=end, score=cand["ratio"], evidence=evidence,
     )

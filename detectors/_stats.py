@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "plural", "robust_line"]
+__all__ = ["Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "plural", "robust_line",
+           "safe_exp"]
 
 MAD_TO_SIGMA = 1.4826
 """Consistency constant: 1.4826 * MAD estimates sigma for Gaussian data."""
@@ -151,6 +152,16 @@ class Baseline:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.window.load_state_dict(state)
+
+
+_MAX_EXP = 709.78
+"""``math.exp`` overflows above this (float64 max is ~1.8e308)."""
+
+
+def safe_exp(x: float) -> float:
+    """``math.exp`` that saturates at the float range instead of raising: a ratio of two logged values
+    (``exp(log a - log b)``) can exceed it for hostile or broken input (1e300 after 1e-300)."""
+    return math.exp(min(x, _MAX_EXP))
 
 
 def log_positive(value: float) -> float | None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from stability.detectors._stats import safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord
 
@@ -190,15 +191,15 @@ class CrossRankDetector:
         rest_center = float(np.median(rest))
         scale = max(1.4826 * float(np.median(np.abs(rest - rest_center))), floor)
         z = abs(float(logs[worst]) - rest_center) / scale
-        ratio = math.exp(abs(float(logs[worst]) - rest_center))
+        ratio = safe_exp(abs(float(logs[worst]) - rest_center))
         if ratio < self.config.ratio or z < self.config.z_threshold:
             return {}
         # only one rank may disagree: the second worst must agree with the rest
         if len(rest) >= 2:
             second = float(np.max(np.abs(rest - rest_center)))
-            if math.exp(second) >= self.config.ratio and second / scale >= self.config.z_threshold:
+            if safe_exp(second) >= self.config.ratio and second / scale >= self.config.z_threshold:
                 return {}
-        return {ranks[worst]: (math.exp(rest_center), ratio, z, False)}
+        return {ranks[worst]: (safe_exp(rest_center), ratio, z, False)}
 
     def _finding(self, step: int, rank: int, signal: str, value: float, other: float, z: float,
                  n: int) -> Finding:

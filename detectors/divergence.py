@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._stats import Window, log_positive, mad_scale, median, robust_line
+from stability.detectors._stats import Window, log_positive, mad_scale, median, robust_line, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord, loss_steps
 
@@ -91,7 +91,7 @@ class DivergenceDetector:
                 return []
             self._fired, self._since_fired = True, 0
             onset, base = self._rise_from
-            return [self._finding(record, y, rise, onset, ratio=math.exp(y - base), level=base, z=math.nan,
+            return [self._finding(record, y, rise, onset, ratio=safe_exp(y - base), level=base, z=math.nan,
                                   what="loss")]
         xs, ys = self._window.x, self._window.y
         level_at_end, slope = robust_line(xs, ys)
@@ -124,7 +124,7 @@ class DivergenceDetector:
         else:
             return []
         self._fired, self._since_fired = True, 0
-        return [self._finding(record, y, why, onset, ratio=math.exp(smoothed - level), level=level, z=z)]
+        return [self._finding(record, y, why, onset, ratio=safe_exp(smoothed - level), level=level, z=z)]
 
     def _rise(self, record: StepRecord, y: float) -> str | None:
         """Track consecutive rises; the reason text when the averaged-records rule fires, else ``None``."""
@@ -137,7 +137,7 @@ class DivergenceDetector:
             self._rises = 0
         self._prev = y
         steps = loss_steps(record)
-        total = math.exp(y - self._rise_from[1])
+        total = safe_exp(y - self._rise_from[1])
         if steps < cfg.rise_min_steps or self._rises < cfg.rise_records or total < cfg.rise_ratio:
             return None
         return (f"{self._rises} consecutive rising records ({total:.2f}x since step {self._rise_from[0]}), each a "
@@ -145,13 +145,13 @@ class DivergenceDetector:
 
     def _finding(self, record: StepRecord, y: float, why: str, onset: int, *, ratio: float, level: float,
                  z: float, what: str = "smoothed loss") -> Finding:
-        evidence = {"ph": self._ph, "ratio": ratio, "baseline": math.exp(level)}
+        evidence = {"ph": self._ph, "ratio": ratio, "baseline": safe_exp(level)}
         if math.isfinite(z):
             evidence["z"] = z
         return Finding(
             kind=self.kind, step=record.step, onset=min(onset, record.step), severity=Severity.ERROR,
-            signal="loss", value=math.exp(y), message=f"loss diverging: {why}; {what} {ratio:.2f}x the "
-            f"pre-incident level {math.exp(level):.4g}", detector=self.name, rank=record.rank,
+            signal="loss", value=safe_exp(y), message=f"loss diverging: {why}; {what} {ratio:.2f}x the "
+            f"pre-incident level {safe_exp(level):.4g}", detector=self.name, rank=record.rank,
             score=self._ph or ratio, evidence=evidence,
         )
 

@@ -12,13 +12,12 @@
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from stability.detectors._candidate import candidate_finding
-from stability.detectors._stats import Baseline, Prediction, log_positive
+from stability.detectors._stats import Baseline, Prediction, log_positive, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord
 
@@ -62,11 +61,11 @@ class GradExplosionDetector:
         if loss is None or len(self._losses) < 2:
             return 1.0
         ordered = sorted(self._losses)
-        ratio = math.exp(loss - ordered[len(ordered) // 2])
+        ratio = safe_exp(loss - ordered[len(ordered) // 2])
         return ratio
 
     def _candidate(self, y: float, pred: Prediction) -> bool:
-        ratio = math.exp(y - pred.level)
+        ratio = safe_exp(y - pred.level)
         if pred.points < self.config.min_points:
             return ratio >= self.config.ratio_threshold
         return ratio >= self.config.ratio_threshold and pred.z(y) >= self.config.z_threshold
@@ -84,7 +83,7 @@ class GradExplosionDetector:
             return self._track(record, y)
         if self._pending is not None:
             cand, self._pending = self._pending, None
-            ratio_now = math.exp(y - cand["level"])
+            ratio_now = safe_exp(y - cand["level"])
             loss_spiking = max(cand["loss_ratio"], loss_ratio) >= self.config.loss_ratio
             if ratio_now >= self.config.confirm_ratio or loss_spiking:
                 severity = Severity.ERROR if loss_spiking else Severity.WARNING
@@ -106,7 +105,7 @@ class GradExplosionDetector:
         if not self._candidate(y, pred):
             self._base.accept(record.step, y)
             return []
-        ratio = math.exp(y - pred.level)
+        ratio = safe_exp(y - pred.level)
         cand = {"step": record.step, "y": y, "level": pred.level, "ratio": ratio, "z": pred.z(y),
                 "points": pred.points, "loss_ratio": loss_ratio}
         if ratio >= self.config.error_ratio:
@@ -119,7 +118,7 @@ class GradExplosionDetector:
     def _track(self, record: StepRecord, y: float) -> list[Finding]:
         active = self._active
         assert active is not None
-        if math.exp(y - active["level"]) < self.config.recover_ratio:
+        if safe_exp(y - active["level"]) < self.config.recover_ratio:
             self._active = None
             self._base.accept(record.step, y)
             return [self._finding(record, active, Severity.INFO,

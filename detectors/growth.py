@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._stats import Window, mad_scale, robust_line
+from stability.detectors._stats import Window, mad_scale, robust_line, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.detectors.history import LrTracker
 from stability.records import StepRecord, split_signal
@@ -162,10 +162,10 @@ class GrowthDetector:
             return None
         if quantity == "attn_logit_max" and value < cfg.attn_min:
             return None
-        factor = math.exp(rise)
+        factor = safe_exp(rise)
         return (factor, f"{name} grew steadily {factor:.3g}x over {span:.0f} steps "
-                        f"({math.exp(start):.3g} -> {math.exp(level):.3g})",
-                {"factor": factor, "from": math.exp(start), "to": math.exp(level), "sigma": sigma, "onset": onset})
+                        f"({safe_exp(start):.3g} -> {safe_exp(level):.3g})",
+                {"factor": factor, "from": safe_exp(start), "to": safe_exp(level), "sigma": sigma, "onset": onset})
 
     def finish(self) -> list[Finding]:
         """Nothing to flush."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._stats import Window, log_positive, mad_scale, median
+from stability.detectors._stats import Window, log_positive, mad_scale, median, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.detectors.history import LrTracker
 from stability.records import StepRecord
@@ -96,7 +96,7 @@ class PlateauDetector:
             return []
         evidence = {"improvement": gain, "se": se, "window": float(len(ys)), "needed": needed}
         what = (f"loss improved {100 * gain:.2g}% (+-{200 * se:.1g}%) over the last {span} steps "
-                f"({math.exp(m_first):.4g} -> {math.exp(m_last):.4g})")
+                f"({safe_exp(m_first):.4g} -> {safe_exp(m_last):.4g})")
         if self._onset is None:
             self._onset = int(self._win.x[0])
             return [self._finding(record, Severity.INFO, f"plateau: {what}", evidence)]

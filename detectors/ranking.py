@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stability.detectors._stats import mad_scale, median, plural
+from stability.detectors._stats import mad_scale, median, plural, safe_exp
 from stability.detectors.base import CauseHint, Finding
 from stability.detectors.causes import remedy
 from stability.detectors.history import History, Ring
@@ -142,7 +142,7 @@ def robust_move(ring: Ring, name: str, onset: int, *, z_threshold: float = 6.0, 
         return None
     first = int(np.argmax(hit))
     step = int(steps[scan][first])
-    return Move(name, step, math.exp(float(excess[first])), math.exp(float(excess.max())), onset - step)
+    return Move(name, step, safe_exp(float(excess[first])), safe_exp(float(excess.max())), onset - step)
 
 
 def _modules(ring: Ring, quantity: str) -> list[str]:

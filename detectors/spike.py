@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stability.detectors._candidate import candidate_finding
-from stability.detectors._stats import Baseline, Prediction, log_positive
+from stability.detectors._stats import Baseline, Prediction, log_positive, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord, loss_steps
 
@@ -70,7 +70,7 @@ class SpikeDetector:
         self._active: dict[str, Any] | None = None
 
     def _anomalous(self, y: float, pred: Prediction) -> bool:
-        ratio = math.exp(y - pred.level)
+        ratio = safe_exp(y - pred.level)
         if pred.points < self.config.min_points:
             return ratio >= self.config.few_ratio
         return ratio >= self.config.ratio_threshold and pred.z(y) >= self.config.z_threshold
@@ -100,7 +100,7 @@ class SpikeDetector:
         if not self._anomalous(y, pred):
             self._base.accept(record.step, y)
             return []
-        ratio = math.exp(y - pred.level)
+        ratio = safe_exp(y - pred.level)
         cand = {"step": record.step, "y": y, "level": pred.level, "scale": pred.scale, "ratio": ratio,
                 "z": pred.z(y), "points": pred.points, "rank": record.rank}
         implied = 1.0 + steps * (ratio - 1.0)
@@ -116,7 +116,7 @@ class SpikeDetector:
         return []
 
     def _confirm(self, record: StepRecord, y: float, cand: dict[str, Any]) -> Finding:
-        ratio_now = math.exp(y - cand["level"])
+        ratio_now = safe_exp(y - cand["level"])
         peak = max(cand["ratio"], ratio_now)
         severity = Severity.ERROR if peak >= self.config.error_ratio else Severity.WARNING
         self._active = {**cand, "peak": peak, "last": record.step, "records": 0}
@@ -148,7 +148,7 @@ class SpikeDetector:
                 end=active["last"], extra={"closes": 1.0},
             )]
         active["last"] = record.step
-        active["peak"] = max(active["peak"], math.exp(y - active["level"]))
+        active["peak"] = max(active["peak"], safe_exp(y - active["level"]))
         active["records"] += 1
         if active["records"] > self.config.max_active:
             self._active = None
@@ -165,10 +165,10 @@ class SpikeDetector:
         if self._pending is None:
             return []
         cand, self._pending = self._pending, None
-        baseline = math.exp(cand["level"])
+        baseline = safe_exp(cand["level"])
         return [Finding(
             kind=self.kind, step=cand["step"], onset=cand["step"], severity=Severity.WARNING,
-            signal=self.config.signal, value=math.exp(cand["y"]),
+            signal=self.config.signal, value=safe_exp(cand["y"]),
             message=f"{self.config.signal} jumped {cand['ratio']:.2f}x over its baseline {baseline:.4g} at step "
             f"{cand['step']}; the records end before it could be confirmed",
             detector=self.name, rank=cand["rank"], score=cand["ratio"],

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from stability.detectors._stats import Baseline
+from stability.detectors._stats import Baseline, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.detectors.history import LrTracker
 from stability.records import StepRecord, split_signal
@@ -90,13 +90,13 @@ class UpdateRatioDetector:
                 series.base.accept(record.step, y)
                 continue
             pred = series.base.predict(record.step)
-            ratio, z = math.exp(y - pred.level), pred.z(y)
+            ratio, z = safe_exp(y - pred.level), pred.z(y)
             if ratio < cfg.factor or z < cfg.z_threshold:
                 series.base.accept(record.step, y)
                 series.quiet = max(0, series.quiet - 1)
                 continue
             if series.quiet == 0 and not warming:
-                jumps.append((ratio, name, value, math.exp(pred.level), z))
+                jumps.append((ratio, name, value, safe_exp(pred.level), z))
             series.quiet = cfg.cooldown
         if not jumps:
             return []

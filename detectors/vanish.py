@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._stats import Window, median
+from stability.detectors._stats import Window, median, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord, split_signal
 
@@ -115,9 +115,9 @@ class GradVanishingDetector:
         if len(layer_logs) >= cfg.min_layers:
             middle = median(np.fromiter(layer_logs.values(), dtype=np.float64))
             for name, y in layer_logs.items():
-                below = math.exp(middle - y)
-                out += self._persist(record, name + "#layers", below >= cfg.layer_factor, math.exp(y),
-                                     f"{name} is {below:.3g}x below the median layer ({math.exp(middle):.3g})",
+                below = safe_exp(middle - y)
+                out += self._persist(record, name + "#layers", below >= cfg.layer_factor, safe_exp(y),
+                                     f"{name} is {below:.3g}x below the median layer ({safe_exp(middle):.3g})",
                                      {"factor": below})
         return _one_per_rule(out)
 
@@ -145,11 +145,11 @@ class GradVanishingDetector:
         if series.low < cfg.persist or series.fired:
             return []
         series.fired = True
-        factor = math.exp(ref - y)
+        factor = safe_exp(ref - y)
         where = "the global gradient norm" if "/" not in name else f"layer {split_signal(name)[1]}"
-        return [self._finding(record, name, series.low_onset, math.exp(y),
-                              f"{name} collapsed {factor:.3g}x below its recent median {math.exp(ref):.3g} for "
-                              f"{series.low} records ({where})", {"factor": factor, "baseline": math.exp(ref)})]
+        return [self._finding(record, name, series.low_onset, safe_exp(y),
+                              f"{name} collapsed {factor:.3g}x below its recent median {safe_exp(ref):.3g} for "
+                              f"{series.low} records ({where})", {"factor": factor, "baseline": safe_exp(ref)})]
 
     def _persist(self, record: StepRecord, key: str, low: bool, value: float, what: str,
                  evidence: dict[str, float]) -> list[Finding]:

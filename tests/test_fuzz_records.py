@@ -100,3 +100,26 @@ def test_mutated_csv_logs_load_or_raise_source_error(tmp_path) -> None:
             loaded += 1
             assert all(isinstance(r.step, int) for r in records)
     assert 0 < loaded < 300
+
+
+def test_diagnoser_survives_extreme_finite_values() -> None:
+    """Values spanning the whole float range (1e-300 then 1e300: log ratios beyond exp's range) give findings,
+    never an exception (every detector's ratio saturates instead of overflowing)."""
+    import warnings
+
+    from stability.detectors import RunDiagnoser
+
+    rng = random.Random(5)
+    diag = RunDiagnoser()
+    magnitudes = [1e-300, 1e-30, 1.0, 1e30, 1e300, 5e-324, 1.7e308]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # float32 history turns 1e300 into inf, by design
+        for step in range(300):
+            value = 1e-300 if step < 100 else rng.choice(magnitudes)
+            names = ("loss", "grad_norm", "loss_scale", "update_ratio/a", "grad_norm/a", "attn_logit_max/a",
+                     "adam_v_ratio/a", "act_absmax/a", "logit_z")
+            signals = {n: value * rng.uniform(0.5, 2.0) for n in names}
+            signals.update(lr=1e-3, loss_steps=float(rng.choice([1, 10])))
+            diag.update(StepRecord(run_id="fuzz", step=step, rank=step % 2, signals=signals))
+        diag.finish()
+    assert diag.incidents  # it saw the jumps
