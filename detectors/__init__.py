@@ -12,10 +12,12 @@ from stability.detectors.nan import NanConfig, NanDetector
 from stability.detectors.plateau import PlateauConfig, PlateauDetector
 from stability.detectors.ranking import Ranking, rank_causes
 from stability.detectors.spike import SpikeConfig, SpikeDetector
-from stability.detectors.update import UpdateConfig, UpdateRatioDetector
+from stability.detectors.update import AdamLagConfig, AdamLagDetector, UpdateConfig, UpdateRatioDetector
 from stability.detectors.vanish import GradVanishingDetector, VanishConfig
 
 __all__ = [
+    "AdamLagConfig",
+    "AdamLagDetector",
     "CATALOGUE",
     "KINDS",
     "CauseHint",

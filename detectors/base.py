@@ -31,6 +31,7 @@ KINDS: tuple[str, ...] = (
     "logit_divergence",
     "rank_disagreement",
     "update_ratio_jump",
+    "adam_v_lag",
     "plateau",
 )
 """Finding kinds produced by the built-in detectors."""

@@ -8,7 +8,7 @@ INTERFACE (stable; the worker and post-mortem depend on it):
     state = diag.state_dict(); diag2.load_state_dict(state)   # plain data (msgpack/JSON-able)
 
 Per rank it keeps one suite of detectors (NaN, loss spike, divergence, grad explosion, fp16 loss scale, vanishing
-gradients, logit/activation growth, update-ratio jumps, plateau) and a recent
+gradients, logit/activation growth, update-ratio jumps, Adam lag, plateau) and a recent
 :class:`~stability.detectors.history.History` for ranking; across ranks a
 :class:`~stability.detectors.crossrank.CrossRankDetector` compares data-parallel replicas (its findings are on the
 faulty rank and name its host). A rank whose step goes backwards was resumed from a checkpoint: its detectors and
@@ -49,7 +49,7 @@ from stability.detectors.nan import NanConfig, NanDetector
 from stability.detectors.plateau import PlateauConfig, PlateauDetector
 from stability.detectors.ranking import KIND_CAUSE, MAX_SKIP_BATCHES, rank_causes
 from stability.detectors.spike import SpikeConfig, SpikeDetector
-from stability.detectors.update import UpdateConfig, UpdateRatioDetector
+from stability.detectors.update import AdamLagConfig, AdamLagDetector, UpdateConfig, UpdateRatioDetector
 from stability.detectors.vanish import GradVanishingDetector, VanishConfig
 from stability.records import StepRecord
 
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 KIND_PRIORITY = ("rank_disagreement", "nan", "loss_spike", "divergence", "grad_explosion", "loss_scale_collapse",
                  "grad_vanishing", "attention_logit_growth", "logit_divergence", "activation_growth",
-                 "update_ratio_jump", "plateau")
+                 "update_ratio_jump", "adam_v_lag", "plateau")
 """Headline preference among findings of equal severity in one incident (the loss-level event names it)."""
 
 MAX_KEPT_INCIDENTS = 16
@@ -78,6 +78,7 @@ class DiagnoserConfig:
     vanish: VanishConfig = field(default_factory=VanishConfig)
     growth: GrowthConfig = field(default_factory=GrowthConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
+    adam_lag: AdamLagConfig = field(default_factory=AdamLagConfig)
     plateau: PlateauConfig = field(default_factory=PlateauConfig)
     crossrank: CrossRankConfig = field(default_factory=CrossRankConfig)
     fuse_steps: int = 20
@@ -158,7 +159,7 @@ class _RankSuite:
             NanDetector(config.nan), SpikeDetector(config.spike), DivergenceDetector(config.divergence),
             GradExplosionDetector(config.grad), LossScaleDetector(config.loss_scale),
             GradVanishingDetector(config.vanish), GrowthDetector(config.growth), UpdateRatioDetector(config.update),
-            PlateauDetector(config.plateau),
+            AdamLagDetector(config.adam_lag), PlateauDetector(config.plateau),
         ]
         self.history = History(steps=config.history_steps, module_steps=config.module_history_steps,
                                max_series=config.max_series)

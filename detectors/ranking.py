@@ -24,7 +24,8 @@ Structure and evidence first, statistics only to confirm or break ties. For a fi
 * an ``update_ratio_jump`` with the logged LR unchanged: only attention projections -> ``attention_logit_growth``,
   else ``lr_too_high`` (weak).
 * a layer's ``adam_v_ratio`` jumping 1-8 steps before -> ``adam_second_moment`` (weak when a gradient or
-  update-ratio precursor moved earlier: the earliest deviating signal wins).
+  update-ratio precursor moved earlier: the earliest deviating signal wins); an ``adam_v_lag`` finding names it
+  for itself (0.7) and goes through the gradient rules too (an LR jump with it wins).
 * LR unchanged and the update ratios that rose first are only attention projections (a strict minority of the
   layers; an LR too high moves every layer at once) -> ``attention_logit_growth``.
 * ``attn_logit_max`` growth (fitted up to the onset, not past it) -> ``attention_logit_growth``; ``logit_z``
@@ -279,6 +280,8 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
     structural = KIND_CAUSE.get(finding.kind)
     if structural is not None:
         hints.add(structural[0], structural[1] - _symptom_of_lr(finding, history, hints), finding.message)
+    if finding.kind == "adam_v_lag":  # its own cause, but not a precursor cause of later findings (_adam_rule is)
+        hints.add("adam_second_moment", 0.7, finding.message, finding.signal)
     precursors += _recent_hints(finding, history, hints, recent, event)
     if finding.kind == "nan":
         what = f"{finding.signal} became {finding.value} at step {finding.step}"
@@ -288,7 +291,7 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
         else:
             hints.add("numerical_nan", 0.95, f"{what}; no loss-scale collapse before it")
     elif finding.kind in ("loss_spike", "divergence", "grad_explosion", "activation_growth",
-                          "attention_logit_growth", "update_ratio_jump"):
+                          "attention_logit_growth", "update_ratio_jump", "adam_v_lag"):
         if scale is not None:
             hints.add("fp16_loss_scale", 0.85 if scale.lead > 0 else 0.5, _fmt(scale, event), "loss_scale")
         precursors += _gradient_rules(finding, history, hints, event)

@@ -1,7 +1,8 @@
-"""Update-ratio jumps: a layer's ``||dw|| / ||w||`` far above its own recent level (an LR spike, a runaway group).
+"""Optimizer-update anomalies: update ratios that jump, and Adam's second moment lagging the gradient.
 
-Series: ``update_ratio/<module>`` (and a global ``update_ratio`` if a loop reports one), each judged on the records
-that carry it (the capture samples them every ``stats_every`` steps). Per series, in log space:
+**Update-ratio jumps** (:class:`UpdateRatioDetector`, kind ``update_ratio_jump``). Series:
+``update_ratio/<module>`` (and a global ``update_ratio`` if a loop reports one), each judged on the records that
+carry it (the capture samples them every ``stats_every`` steps). Per series, in log space:
 
 * baseline = a robust line through the last ``window`` (32) accepted values (``_stats.Baseline``, at least
   ``min_points`` = 8);
@@ -15,29 +16,37 @@ then that series is quiet for ``cooldown`` (20) of its records. The cause is ran
 (``ranking._gradient_rules``): an LR that jumped with it -> ``lr_too_high``; only attention projections ->
 ``attention_logit_growth``.
 
-Calibration (evaluation corpus, the cached runs of seeds 0-2, tiny GPT with ``stats_every = 10``): after the
-warm-up gate the largest ratio of any clean run's update ratio to its baseline is 3.2x (z < 7); LR spikes give
-260-780x, LR ramps ~360x, attention-LR growth 46-90x. Defaults are set for **0 false alarms per 10k steps** on the
-clean runs (measured: 0). The real baselines carry no update ratios.
+**Adam second-moment lag** (:class:`AdamLagDetector`, kind ``adam_v_lag``). ``adam_v_ratio/<module>`` is
+``sum(g^2) / sum(v_hat)`` with ``v_hat`` Adam's bias-corrected second moment *before* the step
+(``hooks/stats.adam_lag``): about 1 when steady, large when the gradient outgrew what Adam expects, so the update
+``~ g / sqrt(v)`` is too large (Wortsman et al. 2023; SPAM clips at ``g^2 / v > 5000`` per element). A module at
+``lag`` (20) or more after the warm-up gate is a WARNING when the loss of that record is still normal (below
+``loss_ratio`` (1.3) x the median of the last 16 losses): a precursor. When the loss jumped at the same record, the
+lag is that batch's doing and the finding is INFO (the loss-spike finding tells the story).
 
-Adam's second moment (``adam_v_ratio``) is not alarmed on: the capture reads ``v`` after the step, so
-``sum(g^2) / sum(v) <= 1 / (1 - beta2)`` (20 at beta2 = 0.95) and saturates; on the corpus clean runs reach 18x
-their baseline and bad batches 14-18x, so no threshold separates them. It stays a ranking feature
-(``ranking._adam_rule``).
+Calibration (evaluation corpus, seeds 0-4, tiny GPT with ``stats_every = 10``, generator v4): after the warm-up
+gate clean runs reach an update-ratio jump of 3.2x (z < 7) and an Adam lag of 8.8 at most; LR spikes give
+update-ratio jumps of 260-780x, LR ramps ~360x, attention-LR growth 46-90x; bad batches an Adam lag of 29-52 (with
+the loss 3-4x up at the same step: INFO), a corrupted data-parallel rank 47 to 1e6 (loss normal: WARNING). Defaults
+are set for **0 false alarms per 10k steps** on the clean runs (measured: 0). The real baselines carry neither
+signal.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from stability.detectors._stats import Baseline, safe_exp
+import numpy as np
+
+from stability.detectors._stats import Baseline, median, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.detectors.history import LrTracker
 from stability.records import StepRecord, split_signal
 
-__all__ = ["UpdateConfig", "UpdateRatioDetector"]
+__all__ = ["AdamLagConfig", "AdamLagDetector", "UpdateConfig", "UpdateRatioDetector"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,3 +136,73 @@ class UpdateRatioDetector:
             series.quiet = int(st["quiet"])
         self._lr.load_state_dict(state["lr"])
 
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdamLagConfig:
+    """Settings of :class:`AdamLagDetector`."""
+
+    lag: float = 20.0
+    loss_ratio: float = 1.3
+    loss_window: int = 16
+    warmup_gate: float = 2.0
+    cooldown: int = 20
+
+
+class AdamLagDetector:
+    """Streaming Adam second-moment lag detector for one rank (see the module docstring)."""
+
+    name = "adam_lag"
+    kind = "adam_v_lag"
+
+    def __init__(self, config: AdamLagConfig | None = None) -> None:
+        self.config = config or AdamLagConfig()
+        self._lr = LrTracker()
+        self._losses: deque[float] = deque(maxlen=self.config.loss_window)
+        self._quiet: dict[str, int] = {}
+
+    def update(self, record: StepRecord) -> list[Finding]:
+        """Consume one record."""
+        cfg = self.config
+        self._lr.update(record.step, record.get("lr"))
+        loss = record.get("loss")
+        typical = median(np.fromiter(self._losses, dtype=np.float64)) if self._losses else math.nan
+        if math.isfinite(loss):
+            self._losses.append(loss)
+        lags = []
+        for name, value in record.signals.items():
+            if split_signal(name)[0] != "adam_v_ratio" or not math.isfinite(value):
+                continue
+            quiet = self._quiet.get(name, 0)
+            if value >= cfg.lag and quiet == 0:
+                lags.append((value, name))
+            if value >= cfg.lag or quiet:
+                self._quiet[name] = cfg.cooldown if value >= cfg.lag else quiet - 1
+        if not lags or self._lr.in_warmup(record.step, cfg.warmup_gate):
+            return []
+        value, name = max(lags)
+        loss_up = math.isfinite(loss) and typical > 0 and loss >= cfg.loss_ratio * typical
+        message = (f"{name} = {value:.3g}: the squared gradient is {value:.3g}x Adam's second-moment estimate "
+                   "(the update is too large)")
+        if len(lags) > 1:
+            message += f"; {len(lags) - 1} more layers lag too"
+        if loss_up:
+            message += f"; the loss jumped {loss / typical:.3g}x at the same step (the batch's gradient)"
+        return [Finding(kind=self.kind, step=record.step, onset=record.step,
+                        severity=Severity.INFO if loss_up else Severity.WARNING, signal=name, value=value,
+                        message=message, detector=self.name, rank=record.rank, host=record.host, score=value,
+                        evidence={"lag": value, "layers": float(len(lags))})]
+
+    def finish(self) -> list[Finding]:
+        """Nothing to flush."""
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state."""
+        return {"lr": self._lr.state_dict(), "losses": list(self._losses), "quiet": dict(self._quiet)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._lr.load_state_dict(state["lr"])
+        self._losses = deque((float(v) for v in state["losses"]), maxlen=self.config.loss_window)
+        self._quiet = {str(k): int(v) for k, v in state["quiet"].items()}

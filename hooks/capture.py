@@ -14,11 +14,12 @@ What is recorded (names as in :mod:`stability.records`):
   norm before clipping) and ``nonfinite_grads``; with a ``GradScaler`` also ``loss_scale`` and ``skipped``;
   ``grad_norm/<module>`` every ``config.layer_every`` steps;
 * every ``config.stats_every`` steps: ``param_norm/<module>``, ``update_ratio/<module>`` (‖Δw‖/‖w before the step‖,
-  when the parameters fit ``config.update_ratio_max_bytes``), ``adam_v_ratio/<module>`` (Σg²/Σv over the module's
-  parameters with an ``exp_avg_sq`` state, omitted where Σv = 0), ``act_absmax/<module>`` and ``act_rms/<module>``
-  for up to ``config.max_act_modules`` parameter-owning modules (forward hooks registered for that step only, and
-  only forward passes with grad enabled count, so evaluation passes are ignored), and ``logit_z`` when the model
-  output has a ``.logits`` attribute or a ``"logits"`` key;
+  when the parameters fit ``config.update_ratio_max_bytes``), ``adam_v_ratio/<module>`` (Σg² / Σv̂ of the module's
+  parameters with an ``exp_avg_sq`` state, v̂ = Adam's bias-corrected second moment *before* the step: ~1 when
+  steady, ≫ 1 when v lags the gradient; omitted before a parameter's second step), ``act_absmax/<module>`` and
+  ``act_rms/<module>`` for up to ``config.max_act_modules`` parameter-owning modules (forward hooks registered for
+  that step only, and only forward passes with grad enabled count, so evaluation passes are ignored), and
+  ``logit_z`` when the model output has a ``.logits`` attribute or a ``"logits"`` key;
 * whatever the loop passes to :meth:`Capture.observe`.
 
 Steps are 0-based: the first optimizer step is record step 0, and :attr:`Capture.step` counts the steps seen.
@@ -654,16 +655,33 @@ class Capture:
             delta_sq = stats.segment_sum(stats.tensor_norms(delta, device).square(), index, n)
             before_sq = stats.segment_sum(stats.tensor_norms(state.snapshot, device).square(), index, n)
             state.parts.append((layout.names("update_ratio"), (delta_sq / before_sq).sqrt()))
-        states = optimizer.state if optimizer is not None else {}
-        exp_avg_sq = [states.get(p, {}).get("exp_avg_sq") for p in layout.params]
-        if any(isinstance(v, torch.Tensor) for v in exp_avg_sq):
-            vs = [v if isinstance(v, torch.Tensor) else None for v in exp_avg_sq]
+        adam = self._adam_state(optimizer, layout.params)
+        if adam is not None:
+            vs, beta2, steps = adam
             gs = [p.grad if v is not None else None for p, v in zip(layout.params, vs, strict=True)]
-            g_sq = stats.segment_sum(stats.tensor_norms(gs, device).square(), index, n)
-            v_sum = stats.segment_sum(stats.tensor_norms(vs, device, ord=1.0), index, n)
-            ratio = torch.where(v_sum > 0, g_sq / v_sum, torch.full_like(v_sum, ABSENT))
+            g_sq, v_prev = stats.adam_lag(gs, vs, beta2, steps, index, n, device)
+            ratio = torch.where(v_prev > 0, g_sq / v_prev, torch.full_like(v_prev, ABSENT))
             state.parts.append((layout.names("adam_v_ratio"), ratio))
         self._activation_stats(state)
+
+    @staticmethod
+    def _adam_state(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor]) -> tuple[
+            list[torch.Tensor | None], list[float], list[torch.Tensor | float | None]] | None:
+        """Adam's ``exp_avg_sq``, ``beta2`` and ``step`` per parameter (None where a parameter has no such state),
+        or None when no parameter has one (not an Adam-family optimizer)."""
+        if optimizer is None:
+            return None
+        beta2_of = {id(p): float(g.get("betas", (0.9, 0.999))[1]) for g in optimizer.param_groups for p in g["params"]}
+        vs: list[torch.Tensor | None] = []
+        steps: list[torch.Tensor | float | None] = []
+        for p in params:
+            st = optimizer.state.get(p, {})
+            v = st.get("exp_avg_sq")
+            vs.append(v if isinstance(v, torch.Tensor) else None)
+            steps.append(st.get("step"))
+        if all(v is None for v in vs):
+            return None
+        return vs, [beta2_of.get(id(p), 0.999) for p in params], steps
 
     def _activation_stats(self, state: _StepState) -> None:
         if state.acts:

@@ -25,6 +25,7 @@ import torch
 __all__ = [
     "COUNT_CHUNK_ELEMENTS",
     "activation_stats",
+    "adam_lag",
     "first_float_tensor",
     "logit_z",
     "logits_of",
@@ -94,6 +95,30 @@ def _count_chunk(chunk: list[torch.Tensor], out: torch.device) -> torch.Tensor:
         counts = torch._foreach_norm(zeros, 0, dtype=torch.float64 if big else torch.float32)  # type: ignore[misc]
         parts.append(torch.stack(counts).sum().to(out, dtype=torch.int64, non_blocking=True))
     return torch.stack(parts).sum()
+
+
+def adam_lag(grads: Sequence[torch.Tensor | None], exp_avg_sqs: Sequence[torch.Tensor | None],
+             beta2: Sequence[float], steps: Sequence[torch.Tensor | float | None], index: torch.Tensor,
+             segments: int, out: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per segment (module): ``sum(g^2)`` and ``sum(v_hat_prev)``, Adam's bias-corrected second moment *before*
+    this step, from the state after it (``v_t = beta2 * v_prev + (1 - beta2) * g^2``, so
+    ``v_prev = (v_t - (1 - beta2) * g^2) / beta2``, divided by ``1 - beta2 ** (t - 1)``).
+
+    Their ratio is how many times the squared gradient exceeds what Adam expected (about 1 when steady, large when
+    ``v`` lags a gradient that grew: the update is then ``~ g / sqrt(v)``, too big). Unlike ``g^2 / v_t``, which
+    is at most ``1 / (1 - beta2)``, it does not saturate. Parameters without a state, or at their first step, add
+    nothing. ``steps`` may be device tensors (capturable / fused Adam): they are used on the device, not read.
+    """
+    g2 = tensor_norms(grads, out).square()
+    v1 = tensor_norms(exp_avg_sqs, out, ord=1.0)
+    b2 = torch.tensor(beta2, dtype=torch.float32, device=out)
+    t = torch.stack([s.detach().to(out, torch.float32, non_blocking=True).reshape(())
+                     if isinstance(s, torch.Tensor) else torch.tensor(float(s or 0.0), device=out) for s in steps])
+    prev = (v1 - (1.0 - b2) * g2).clamp_min(0.0) / b2 / (1.0 - b2.pow(t - 1.0)).clamp_min(1e-12)
+    used = (t > 1.0) & (v1 > 0)
+    zero = torch.zeros_like(g2)
+    return (segment_sum(torch.where(used, g2, zero), index, segments),
+            segment_sum(torch.where(used, prev, zero), index, segments))
 
 
 def segment_sum(values: torch.Tensor, index: torch.Tensor, segments: int) -> torch.Tensor:

@@ -209,15 +209,16 @@ def test_update_ratio_param_norm_adam_and_activation_stats_match_references():
             outputs.clear()
             lm_loss(model, tokens(step)).backward()
             before = {p: p.detach().clone() for p in model.parameters()}
+            v_before = {p: opt.state[p]["exp_avg_sq"].double().clone() for p in model.parameters() if p in opt.state}
             opt.step()
             delta = by_module(model, lambda p, before=before: p.detach() - before[p])
             size = by_module(model, lambda p, before=before: before[p])
             adam = {}
             for name, module in model.named_modules():
                 own = list(module.parameters(recurse=False))
-                if own:
+                if own and step > 0:  # Adam's bias-corrected second moment before this step (none at the first)
                     g2 = sum(float(p.grad.double().square().sum()) for p in own)
-                    v = sum(float(opt.state[p]["exp_avg_sq"].double().sum()) for p in own)
+                    v = sum(float(v_before[p].sum()) for p in own) / (1 - 0.999**step)
                     adam[name] = g2 / v
             acts = {n: (float(o.abs().max()), math.sqrt(float(o.double().square().mean()))) for n, o in outputs.items()}
             want.append(({n: delta[n] / size[n] for n in delta}, by_module(model, lambda p: p), adam, acts))

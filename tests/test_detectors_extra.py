@@ -311,3 +311,15 @@ def test_update_ratio_jump_names_the_largest_layer_counts_the_others_and_cools_d
     jumps = [a for a in alerts if a.kind == "update_ratio_jump"]
     assert [(a.step, a.signal, a.severity) for a in jumps] == [(400, "update_ratio/h.2", Severity.WARNING)]
     assert "1 more layers jumped too" in jumps[0].message and jumps[0].evidence["layers"] == 2.0
+
+
+def test_adam_lag_is_a_warning_before_the_loss_moves_and_info_when_the_batch_already_hit_it() -> None:
+    s = base()
+    s["adam_v_ratio/h.1"] = 1.0 + 0.3 * np.abs(np.random.default_rng(4).normal(0, 1, N))
+    s["adam_v_ratio/h.1"][300] = 40.0  # g^2 40x Adam's estimate, loss unchanged: a precursor
+    s["adam_v_ratio/h.1"][600] = 60.0  # the same with the loss 3x at that step: the batch's own gradient
+    s["loss"][600] *= 3.0
+    found_ = [a for a in diagnose(to_records(s))[0] if a.kind == "adam_v_lag"]
+    assert [(a.step, a.severity) for a in found_] == [(300, Severity.WARNING), (600, Severity.INFO)]
+    assert found_[0].causes[0].cause == "adam_second_moment" and "40x Adam's second-moment" in found_[0].message
+    assert "the loss jumped 2.96x at the same step" in found_[1].message

@@ -87,7 +87,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-GENERATOR_VERSION = 3
+GENERATOR_VERSION = 4
 """Bump when the generator changes what a spec produces (invalidates the cache)."""
 
 FAULTS = ("clean", "bad_batch", "lr_spike", "lr_ramp", "short_warmup", "attn_growth", "fp16_overflow",
