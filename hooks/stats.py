@@ -27,6 +27,7 @@ __all__ = [
     "activation_stats",
     "adam_lag",
     "first_float_tensor",
+    "host_floats",
     "logit_z",
     "logits_of",
     "nonfinite_count",
@@ -111,14 +112,29 @@ def adam_lag(grads: Sequence[torch.Tensor | None], exp_avg_sqs: Sequence[torch.T
     """
     g2 = tensor_norms(grads, out).square()
     v1 = tensor_norms(exp_avg_sqs, out, ord=1.0)
-    b2 = torch.tensor(beta2, dtype=torch.float32, device=out)
-    t = torch.stack([s.detach().to(out, torch.float32, non_blocking=True).reshape(())
-                     if isinstance(s, torch.Tensor) else torch.tensor(float(s or 0.0), device=out) for s in steps])
+    b2 = host_floats(beta2, out)
+    on_host = all(not isinstance(s, torch.Tensor) or s.device.type == "cpu" for s in steps)
+    counts = [s.detach().reshape(()).to(torch.float32) if isinstance(s, torch.Tensor)
+              else torch.tensor(0.0 if s is None else float(s)) for s in steps]
+    if on_host:  # plain torch.optim.Adam(W): CPU step tensors, stacked and copied without reading them
+        host = torch.stack(counts)
+        t = (host.pin_memory() if out.type == "cuda" else host).to(out, non_blocking=True)
+    else:  # capturable / fused: the step counts live on the device and stay there
+        t = torch.stack([c.to(out, non_blocking=True) for c in counts])
     prev = (v1 - (1.0 - b2) * g2).clamp_min(0.0) / b2 / (1.0 - b2.pow(t - 1.0)).clamp_min(1e-12)
     used = (t > 1.0) & (v1 > 0)
     zero = torch.zeros_like(g2)
     return (segment_sum(torch.where(used, g2, zero), index, segments),
             segment_sum(torch.where(used, prev, zero), index, segments))
+
+
+def host_floats(values: Sequence[float], out: torch.device) -> torch.Tensor:
+    """A float32 vector of host values on ``out`` without a blocking copy (pinned + non-blocking on CUDA; the
+    caching host allocator keeps the pinned block until the copy has run)."""
+    host = torch.tensor(list(values), dtype=torch.float32)
+    if out.type == "cuda":
+        host = host.pin_memory()
+    return host.to(out, non_blocking=True)
 
 
 def segment_sum(values: torch.Tensor, index: torch.Tensor, segments: int) -> torch.Tensor:
