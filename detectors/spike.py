@@ -16,12 +16,17 @@ Rules (calibrated on the clean modded-nanogpt baselines in ``/work/shared/data/r
   rule (it already averages ``few_min_points`` steps or more). On 10-step means of the clean baselines no record
   rises even 1.15x over the previous one, so this cannot fire on their noise.
 * **Confirmation** at the next record: if that loss passes the same test against the same (frozen) baseline the
-  spike is real: ``loss_spike`` ERROR (WARNING when the peak ratio is below ``error_ratio``), delay 1. If it
-  reverted it was a one-step batch-content jump (36 such in the clean 1.5B run, all reverting):
-  ``loss_spike`` INFO with ``evidence["reverted"] = 1``.
+  spike is real: ``loss_spike`` ERROR (WARNING when the peak ratio is below ``error_ratio``), delay 1. If it is
+  back at the baseline (within ``recover_ratio`` or 3 robust sigmas, the recovery test below) it was a one-step
+  batch-content jump (36 such in the clean 1.5B run, all reverting): ``loss_spike`` INFO with
+  ``evidence["reverted"] = 1``. If it is neither (still up, but under the candidate test: 4.4 -> 7.9 -> 6.3 ->
+  8.3 after a missing warm-up) the verdict waits up to ``max_wait`` (2) more records: a record passing the test
+  confirms, one back at the baseline reverts, and a loss still in between after that is confirmed (it stayed up).
 * **End**: while a confirmed spike lasts, points are not accepted; when the loss is back within
   ``recover_ratio`` of the pre-spike level the detector emits a closing INFO finding (same ``onset``, ``end`` set,
   ``evidence["closes"] = 1``). After ``max_active`` records without recovery it re-baselines on the new level.
+  A record more than ``max_gap`` (100) steps after the spike's last one closes it (nothing is known in the gap:
+  an excerpt, a resume) and is judged afresh against the pre-spike baseline.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class SpikeConfig:
     immediate_ratio: float = 3.0
     error_ratio: float = 1.5
     recover_ratio: float = 1.1
+    max_wait: int = 2
+    max_gap: int = 100
     scale_floor: float = 1e-3
     max_active: int = 200
     signal: str = "loss"
@@ -81,16 +88,31 @@ class SpikeDetector:
         y = log_positive(value)
         if y is None:
             return []
+        out: list[Finding] = []
         if self._active is not None:
-            return self._track(record, y)
+            if record.step - self._active["last"] <= self.config.max_gap:
+                return self._track(record, y)
+            out.append(self._close(record, self._active, f"records resume at step {record.step}, "
+                                   f"{record.step - self._active['last']} steps after the spike's last record"))
+            self._active = None  # nothing is known in the gap: judge the new record afresh
+        return out + self._fresh(record, y)
+
+    def _fresh(self, record: StepRecord, y: float) -> list[Finding]:
         if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pred = self._base.predict(record.step)
-            if self._anomalous(y, pred):
+            pending = self._pending
+            if self._anomalous(y, self._base.predict(record.step)):
+                self._pending = None
                 return [self._confirm(record, y, pending)]
-            out = [self._reverted(record, pending)]
-            self._base.accept(record.step, y)
-            return out
+            if self._recovered(y, pending):
+                self._pending = None
+                out = [self._reverted(record, pending)]
+                self._base.accept(record.step, y)
+                return out
+            pending["waited"] = pending.get("waited", 0) + 1
+            if pending["waited"] > self.config.max_wait:  # neither back nor spiking again: it stayed up
+                self._pending = None
+                return [self._confirm(record, y, pending)]
+            return []
         steps = loss_steps(record)
         needed = 1 if steps >= self.config.few_min_points else self.config.few_min_points
         if len(self._base) < needed:
@@ -130,23 +152,23 @@ class SpikeDetector:
     def _reverted(self, record: StepRecord, cand: dict[str, Any]) -> Finding:
         return self._finding(
             record, cand, Severity.INFO,
-            f"one-step jump of {cand['ratio']:.2f}x at step {cand['step']} reverted at step {record.step}: "
-            "a batch-content outlier, not an instability of the run",
+            f"{'one-step ' if not cand.get('waited') else ''}jump of {cand['ratio']:.2f}x at step {cand['step']} "
+            f"reverted at step {record.step}: a batch-content outlier, not an instability of the run",
             end=cand["step"], extra={"reverted": 1.0},
         )
+
+    def _recovered(self, y: float, cand: dict[str, Any]) -> bool:
+        """``y`` is back within ``recover_ratio`` (or 3 robust sigmas) of the candidate's baseline."""
+        scale = cand["scale"] if cand["scale"] == cand["scale"] else 0.0
+        return bool(y - cand["level"] <= max(math.log(self.config.recover_ratio), 3.0 * scale))
 
     def _track(self, record: StepRecord, y: float) -> list[Finding]:
         active = self._active
         assert active is not None
-        scale = active["scale"] if active["scale"] == active["scale"] else 0.0
-        if y - active["level"] <= max(math.log(self.config.recover_ratio), 3.0 * scale):
+        if self._recovered(y, active):
             self._active = None
             self._base.accept(record.step, y)
-            return [self._finding(
-                record, active, Severity.INFO,
-                f"back to baseline at step {record.step} (spike steps {active['step']}..{active['last']})",
-                end=active["last"], extra={"closes": 1.0},
-            )]
+            return [self._close(record, active, f"back to baseline at step {record.step}")]
         active["last"] = record.step
         active["peak"] = max(active["peak"], safe_exp(y - active["level"]))
         active["records"] += 1
@@ -155,6 +177,10 @@ class SpikeDetector:
             self._base.window.clear()
             self._base.accept(record.step, y)
         return []
+
+    def _close(self, record: StepRecord, active: dict[str, Any], why: str) -> Finding:
+        return self._finding(record, active, Severity.INFO, f"{why} (spike steps {active['step']}..{active['last']})",
+                             end=active["last"], extra={"closes": 1.0})
 
     def _finding(self, record: StepRecord, cand: dict[str, Any], severity: Severity, what: str, *,
                  end: int | None = None, extra: dict[str, float] | None = None) -> Finding:

@@ -260,3 +260,28 @@ def test_labelled_bigscience_excerpts_are_detected_with_the_right_kind() -> None
 def test_nonfinite_snippets_are_nan_events(name: str, step: int) -> None:
     events = analyze(load_csv(REAL / "snippets" / f"{name}.csv"), name).events
     assert [(e["kind"], e["step"], e["severity"]) for e in events][:1] == [("nan", step, "error")]
+
+
+def steps_of(values: list[float], steps: list[int] | None = None) -> list[StepRecord]:
+    return [StepRecord(run_id="r", step=s, signals={"loss": v})
+            for s, v in zip(steps or range(len(values)), values, strict=True)]
+
+
+def test_a_jump_that_stays_up_between_the_thresholds_is_confirmed_not_called_reverted() -> None:
+    """short-warmup-s11 of the corpus: 4.37, 5.17, 7.94, 6.29 (1.32x: neither spiking nor back), 8.30."""
+    alerts, _ = run(steps_of([4.37, 5.17, 7.94, 6.29, 8.30, 7.40]))
+    assert [(a.kind, a.onset, a.step, a.severity) for a in serious(alerts)] == [("loss_spike", 2, 4, Severity.ERROR)]
+    alerts, _ = run(steps_of([4.37, 5.17, 7.94, 6.29, 6.35, 6.40]))  # stays ~1.33x up for max_wait records
+    assert [(a.onset, a.step) for a in serious(alerts)] == [(2, 5)]
+    alerts, _ = run(steps_of([4.37, 5.17, 7.94, 6.29, 4.60, 4.50]))  # back within 1.1x two records later
+    assert serious(alerts) == []
+    assert [a.evidence.get("reverted") for a in alerts if a.kind == "loss_spike"] == [1.0]
+
+
+def test_a_gap_in_the_records_closes_a_spike_and_the_next_record_is_judged_afresh() -> None:
+    """tr8-104B exp12: the spike at 8741-8743, then nothing until 9026 (7.02, 2x the pre-spike level)."""
+    loss = [3.317, 3.417, 3.683, 7.268, 4.131, 7.597, 7.025]
+    alerts, diag = run(steps_of(loss, [8738, 8739, 8740, 8741, 8742, 8743, 9026]))
+    spikes = [(a.onset, a.step, a.severity) for a in serious(alerts) if a.kind == "loss_spike"]
+    assert spikes == [(8741, 8743, Severity.ERROR), (9026, 9026, Severity.WARNING)]  # the last one unconfirmed
+    assert len([i for i in diag.incidents if "loss_spike" in i.kinds]) == 2
