@@ -26,7 +26,8 @@ Rules (calibrated on the clean modded-nanogpt baselines in ``/work/shared/data/r
   ``recover_ratio`` of the pre-spike level the detector emits a closing INFO finding (same ``onset``, ``end`` set,
   ``evidence["closes"] = 1``). After ``max_active`` records without recovery it re-baselines on the new level.
   A record more than ``max_gap`` (100) steps after the spike's last one closes it (nothing is known in the gap:
-  an excerpt, a resume) and is judged afresh against the pre-spike baseline.
+  an excerpt, a resume) and is judged afresh against the pre-spike baseline; a candidate whose next record is
+  that far is reported unconfirmed (WARNING), as at the end of the records.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ class SpikeDetector:
         return out + self._fresh(record, y)
 
     def _fresh(self, record: StepRecord, y: float) -> list[Finding]:
+        if self._pending is not None and record.step - self._pending["step"] > self.config.max_gap:
+            pending, self._pending = self._pending, None  # the next record is too far to tell a batch outlier
+            return [self._unconfirmed(pending, f"the next record is {record.step - pending['step']} steps later, "
+                                      "too far to tell whether it reverted at once"), *self._fresh(record, y)]
         if self._pending is not None:
             pending = self._pending
             if self._anomalous(y, self._base.predict(record.step)):
@@ -191,15 +196,18 @@ class SpikeDetector:
         if self._pending is None:
             return []
         cand, self._pending = self._pending, None
+        return [self._unconfirmed(cand, "the records end before it could be confirmed")]
+
+    def _unconfirmed(self, cand: dict[str, Any], why: str) -> Finding:
         baseline = safe_exp(cand["level"])
-        return [Finding(
+        return Finding(
             kind=self.kind, step=cand["step"], onset=cand["step"], severity=Severity.WARNING,
             signal=self.config.signal, value=safe_exp(cand["y"]),
             message=f"{self.config.signal} jumped {cand['ratio']:.2f}x over its baseline {baseline:.4g} at step "
-            f"{cand['step']}; the records end before it could be confirmed",
+            f"{cand['step']}; {why}",
             detector=self.name, rank=cand["rank"], score=cand["ratio"],
             evidence={"ratio": cand["ratio"], "z": cand["z"], "baseline": baseline, "unconfirmed": 1.0},
-        )]
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""

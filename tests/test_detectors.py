@@ -285,3 +285,13 @@ def test_a_gap_in_the_records_closes_a_spike_and_the_next_record_is_judged_afres
     spikes = [(a.onset, a.step, a.severity) for a in serious(alerts) if a.kind == "loss_spike"]
     assert spikes == [(8741, 8743, Severity.ERROR), (9026, 9026, Severity.WARNING)]  # the last one unconfirmed
     assert len([i for i in diag.incidents if "loss_spike" in i.kinds]) == 2
+
+
+def test_a_candidate_whose_next_record_is_far_away_is_unconfirmed_not_reverted() -> None:
+    """Per-step losses 6.4, 6.5, then 11.4 and nothing until 210 steps later (back at 7.2): whether the jump
+    reverted at the next step is unknown, so it is a WARNING, not an INFO batch outlier."""
+    alerts, _ = run(steps_of([6.40, 6.50, 11.42, 7.16], [6999, 7000, 7010, 7220]))
+    assert [(a.kind, a.onset, a.severity) for a in serious(alerts)] == [("loss_spike", 7010, Severity.WARNING)]
+    assert "210 steps later" in serious(alerts)[0].message
+    alerts, _ = run(steps_of([6.40, 6.50, 11.42, 6.45], [6999, 7000, 7010, 7011]))  # next step: reverted
+    assert serious(alerts) == []
