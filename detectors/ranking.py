@@ -1,6 +1,7 @@
 """Root-cause ranking: structural rules over a rank's recent history (root-causes.md section 3, triage order).
 
-Structure and evidence first, statistics only to confirm or break ties. For a finding with onset ``t0``:
+Structure and evidence first, statistics only to confirm or break ties (the measurements - when and how far a
+signal moved, lead-lag, Granger - are in :mod:`~stability.detectors.evidence`). For a finding with onset ``t0``:
 
 * Findings that name their cause (:data:`KIND_CAUSE`): ``loss_scale_collapse`` -> ``fp16_loss_scale``,
   ``rank_disagreement`` -> ``hardware_fault``, ``attention_logit_growth`` -> ``attention_logit_growth``,
@@ -52,9 +53,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stability.detectors._stats import mad_scale, median, plural, safe_exp
+from stability.detectors._stats import plural
 from stability.detectors.base import CauseHint, Finding
 from stability.detectors.causes import remedy
+from stability.detectors.evidence import (
+    Move,
+    describe,
+    earliest,
+    find_move,
+    granger_p,
+    lead_lag,
+    lr_rise,
+    modules,
+    robust_move,
+)
 from stability.detectors.history import History, Ring
 from stability.detectors.oddity import precursor_oddity
 
@@ -65,101 +77,12 @@ MAX_SKIP_BATCHES = 64
 
 
 @dataclass(frozen=True, slots=True)
-class Move:
-    """A signal leaving its reference level before an onset."""
-
-    signal: str
-    step: int
-    """First step at which it crossed the factor."""
-    factor: float
-    """Value / reference median at that step."""
-    peak: float
-    """Largest (rise) or smallest (fall) factor in the precursor window."""
-    lead: int
-    """``onset - step``."""
-
-
-@dataclass(frozen=True, slots=True)
 class Ranking:
     """The ranked causes of one finding, with rollback and skip advice."""
 
     causes: tuple[CauseHint, ...]
     rollback_step: int | None
     skip_batches: tuple[str, ...]
-
-
-def find_move(ring: Ring, name: str, onset: int, *, factor: float, lead_steps: int, lead_records: int = 3,
-              rise: bool = True, ref_points: int = 64) -> Move | None:
-    """The first step in the window before ``onset`` where ``name`` moved ``factor``-fold from its reference.
-
-    The window is the last ``lead_records`` records before ``onset`` or the last ``lead_steps`` steps, whichever
-    reaches further back, plus ``onset`` itself. The reference is the median of up to ``ref_points`` positive
-    values before the window (the first value of the history when nothing precedes the window).
-    """
-    if name not in ring.series:
-        return None
-    steps, values = ring.ordered(), ring.ordered(name).astype(np.float64)
-    keep = (steps <= onset) & np.isfinite(values) & (values > 0)
-    steps, values = steps[keep], values[keep]
-    if len(steps) < 2:
-        return None
-    before = np.flatnonzero(steps < onset)
-    start = onset - lead_steps
-    if len(before) > lead_records:
-        start = min(start, int(steps[before[-lead_records]]))
-    ref = values[steps < start][-ref_points:]
-    scan = steps >= start
-    if len(before) <= lead_records or len(ref) == 0:  # too little before the window: the first value is the reference
-        ref, scan = values[:1], np.arange(len(steps)) >= 1
-    ratios = values[scan] / float(np.median(ref))
-    hit = ratios >= factor if rise else ratios <= 1.0 / factor
-    if not hit.any():
-        return None
-    first = int(np.argmax(hit))
-    step = int(steps[scan][first])
-    peak = float(ratios.max() if rise else ratios.min())
-    return Move(name, step, float(ratios[first]), peak, onset - step)
-
-
-def robust_move(ring: Ring, name: str, onset: int, *, z_threshold: float = 6.0, factor: float = 2.0,
-                lead_steps: int = 8, ref_points: int = 64) -> Move | None:
-    """The first step in ``[onset - lead_steps, onset]`` where log ``name`` sits >= ``z_threshold`` robust sigmas
-    (MAD of the reference window, floored at 0.01) and >= ``factor`` above the reference median (update-ratio
-    anomalies: a smaller jump than :func:`find_move` needs, but far outside the layer's own noise)."""
-    if name not in ring.series:
-        return None
-    steps, values = ring.ordered(), ring.ordered(name).astype(np.float64)
-    keep = (steps <= onset) & np.isfinite(values) & (values > 0)
-    steps, logs = steps[keep], np.log(values[keep])
-    ref = logs[steps < onset - lead_steps][-ref_points:]
-    if len(ref) < 8:
-        return None
-    center = median(ref)
-    scale = max(mad_scale(ref), 0.01)
-    scan = steps >= onset - lead_steps
-    excess = logs[scan] - center
-    hit = (excess >= z_threshold * scale) & (excess >= math.log(factor))
-    if not hit.any():
-        return None
-    first = int(np.argmax(hit))
-    step = int(steps[scan][first])
-    return Move(name, step, safe_exp(float(excess[first])), safe_exp(float(excess.max())), onset - step)
-
-
-def _modules(ring: Ring, quantity: str) -> list[str]:
-    return [name for name in ring.series if name.startswith(quantity + "/")]
-
-
-def _earliest(moves: list[Move]) -> Move | None:
-    moves = [m for m in moves if m is not None]
-    return min(moves, key=lambda m: (m.step, -m.peak)) if moves else None
-
-
-def _fmt(move: Move, event: str) -> str:
-    when = f"{plural(move.lead, 'step')} before {event}" if move.lead > 0 else f"at {event}"
-    verb = "rose" if move.peak >= 1 else "fell"
-    size = move.peak if move.peak >= 1 else 1.0 / move.peak
-    return f"{move.signal} {verb} {size:.3g}x {when} (step {move.step})"
 
 
 def _event_name(finding: Finding) -> str:
@@ -214,37 +137,6 @@ TIE = 0.02
 """Top causes closer than this are tied (Granger tie-break)."""
 
 
-def granger_p(history: History, signal: str, t0: int, *, span: int = 64, maxlag: int = 2) -> float | None:
-    """Smallest ssr F-test p-value over lags 1..``maxlag`` that step changes of log ``signal`` Granger-cause those
-    of log loss, on the records in ``[t0 - span, t0 + maxlag]``; None when unavailable (too few points, constant
-    series, statsmodels missing)."""
-    ring = history.modules if "/" in signal else history.globals
-    if signal not in ring.series or "loss" not in history.globals.series:
-        return None
-    loss = dict(zip(history.globals.ordered().tolist(), history.globals.ordered("loss").tolist(), strict=True))
-    rows = [(loss.get(s, math.nan), v) for s, v in zip(ring.ordered().tolist(), ring.ordered(signal).tolist(),
-                                                        strict=True) if t0 - span <= s <= t0 + maxlag]
-    data = np.array([r for r in rows if r[0] > 0 and r[1] > 0 and math.isfinite(r[0]) and math.isfinite(r[1])])
-    if len(data) < 5 * maxlag + 10:
-        return None
-    changes = np.diff(np.log(data), axis=0)
-    if np.any(changes.std(axis=0) == 0):
-        return None
-    try:
-        from statsmodels.tsa.stattools import grangercausalitytests
-    except ImportError:  # optional: the tie stays a tie
-        return None
-    try:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            result = grangercausalitytests(changes, maxlag=maxlag)
-    except Exception:  # singular design matrices and the like: no verdict
-        return None
-    return float(min(result[lag][0]["ssr_ftest"][1] for lag in result))
-
-
 KIND_CAUSE = {
     "loss_scale_collapse": ("fp16_loss_scale", 0.95),
     "rank_disagreement": ("hardware_fault", 0.97),
@@ -286,14 +178,14 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
     if finding.kind == "nan":
         what = f"{finding.signal} became {finding.value} at step {finding.step}"
         if scale is not None and scale.lead > 0:
-            hints.add("fp16_loss_scale", 0.95, f"{_fmt(scale, event)}; then {what}")
+            hints.add("fp16_loss_scale", 0.95, f"{describe(scale, event)}; then {what}")
             hints.add("numerical_nan", 0.7, what)
         else:
             hints.add("numerical_nan", 0.95, f"{what}; no loss-scale collapse before it")
     elif finding.kind in ("loss_spike", "divergence", "grad_explosion", "activation_growth",
                           "attention_logit_growth", "update_ratio_jump", "adam_v_lag"):
         if scale is not None:
-            hints.add("fp16_loss_scale", 0.85 if scale.lead > 0 else 0.5, _fmt(scale, event), "loss_scale")
+            hints.add("fp16_loss_scale", 0.85 if scale.lead > 0 else 0.5, describe(scale, event), "loss_scale")
         precursors += _gradient_rules(finding, history, hints, event)
         _slow_rules(finding, history, hints, event)
         _overflow_rules(finding, history, hints, event)
@@ -372,87 +264,37 @@ def _grew_before(history: History, signal: str, t0: int, span: int = 48) -> bool
     return pair[0] > 0 and pair[1] / pair[0] >= PRECURSOR_GROWTH
 
 
-def lr_rise(history: History, t0: int, *, lookback: int = 100, factor: float = 1.5) -> Move | None:
-    """A post-warm-up LR increase of at least ``factor`` within ``lookback`` steps before ``t0`` (jump or ramp).
-
-    The reference is the smallest LR in the window after the warm-up; ``Move.step`` is the first step above it.
-    """
-    lr = history.lr
-    if lr.rising or "lr" not in history.globals.series:
-        return None
-    steps, values = history.globals.ordered(), history.globals.ordered("lr").astype(np.float64)
-    start = t0 - lookback if lr.warmup_end is None else max(t0 - lookback, lr.warmup_end)
-    keep = (steps <= t0) & (steps >= start) & np.isfinite(values) & (values > 0)
-    steps, values = steps[keep], values[keep]
-    if len(values) < 2:
-        return None
-    floor = float(values[:-1].min())
-    low = int(np.flatnonzero(values[:-1] <= floor * (1 + 1e-6))[-1])  # the last step at the low level
-    ratio = float(values[-1] / values[low])
-    if ratio < factor:
-        return None
-    moved = int(steps[low + 1])
-    return Move("lr", moved, ratio, ratio, t0 - moved)
-
-
-def lead_lag(history: History, signal: str, t0: int, *, span: int = 48, max_lag: int = 6) -> tuple[int, float] | None:
-    """Cross-correlation of the step changes of log ``signal`` and log loss around ``t0``, both ways.
-
-    Returns ``(lag, ccf)`` at the peak of ``|ccf|`` over lags ``-max_lag..max_lag``: ``lag > 0`` means the
-    signal leads the loss by ``lag`` records. ``None`` when either series is too short.
-    """
-    ring = history.modules if "/" in signal else history.globals
-    if signal not in ring.series or "loss" not in history.globals.series:
-        return None
-    loss = dict(zip(history.globals.ordered().tolist(), history.globals.ordered("loss").tolist(), strict=True))
-    pairs = [(s, v, loss.get(s, math.nan)) for s, v in zip(ring.ordered().tolist(), ring.ordered(signal).tolist(),
-                                                             strict=True) if t0 - span <= s <= t0 + max_lag]
-    rows = np.array([(v, w) for _, v, w in pairs if v > 0 and w > 0 and math.isfinite(v) and math.isfinite(w)])
-    if len(rows) < 4 * max_lag:
-        return None
-    dx, dy = np.diff(np.log(rows[:, 0])), np.diff(np.log(rows[:, 1]))
-    best: tuple[int, float] | None = None
-    for lag in range(-max_lag, max_lag + 1):
-        a, b = (dx[: len(dx) - lag], dy[lag:]) if lag >= 0 else (dx[-lag:], dy[: len(dy) + lag])
-        if a.std() == 0 or b.std() == 0:
-            continue
-        ccf = float(np.corrcoef(a, b)[0, 1])
-        if best is None or abs(ccf) > abs(best[1]) + 1e-12:
-            best = (lag, ccf)
-    return best
-
-
 def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: str) -> list[Move]:
     t0, glob, mods = finding.onset, history.globals, history.modules
     found: list[Move] = []
 
-    names = ["update_ratio", *_modules(mods, "grad_norm"), *_modules(mods, "update_ratio")]
+    names = ["update_ratio", *modules(mods, "grad_norm"), *modules(mods, "update_ratio")]
     if finding.kind != "grad_explosion":
         names.insert(0, "grad_norm")
     moves = [find_move(glob if "/" not in n else mods, n, t0, factor=3.0, lead_steps=8) for n in names]
-    moves += [robust_move(mods, n, t0) for n in _modules(mods, "update_ratio")]
+    moves += [robust_move(mods, n, t0) for n in modules(mods, "update_ratio")]
     rises = [m for m in moves if m is not None and m.lead > 0]
     lr = history.lr
     jumped = lr.last_jump is not None and t0 - 100 <= lr.last_jump <= t0
-    first = _earliest(rises)
+    first = earliest(rises)
     if jumped:
         assert lr.last_jump is not None
         lead = t0 - lr.last_jump
         text = f"lr raised {lr.jump_factor:.3g}x at step {lr.last_jump}, {plural(lead, 'step')} before {event}"
         if first is not None:
-            text += f"; {_fmt(first, event)}"
+            text += f"; {describe(first, event)}"
         hints.add("lr_too_high", 0.9, text, first.signal if first is not None else "lr")
         found.append(Move("lr", lr.last_jump, lr.jump_factor, lr.jump_factor, lead))
     elif (rise := lr_rise(history, t0)) is not None:
         text = (f"lr rose {rise.factor:.3g}x over the {plural(rise.lead, 'step')} before the onset (rising from step "
                 f"{rise.step})")
         if first is not None:
-            text += f"; {_fmt(first, event)}"
+            text += f"; {describe(first, event)}"
         hints.add("lr_too_high", 0.9 if first is not None or rise.factor >= 2.0 else 0.8, text,
                   first.signal if first is not None else "lr")
         found.append(rise)
     elif first is not None:
-        hints.add("lr_too_high", *_confirm(history, first, t0, 0.65, f"{_fmt(first, event)}; lr unchanged"),
+        hints.add("lr_too_high", *_confirm(history, first, t0, 0.65, f"{describe(first, event)}; lr unchanged"),
                   first.signal)
         _localized_attention(finding, history, hints, event, rises)
     if finding.kind == "update_ratio_jump" and not jumped:
@@ -463,9 +305,9 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
     if adam is not None:
         found.append(adam)
     falls = [m for m in (find_move(mods, n, t0, factor=10.0, lead_steps=50, rise=False) for n in
-                         _modules(mods, "grad_norm")) if m is not None]
+                         modules(mods, "grad_norm")) if m is not None]
     if falls:
-        hints.add("vanishing_gradients", 0.6, _fmt(min(falls, key=lambda m: m.peak), event))
+        hints.add("vanishing_gradients", 0.6, describe(min(falls, key=lambda m: m.peak), event))
     _warmup_rule(history, hints, t0, event)
     return found
 
@@ -505,15 +347,15 @@ def _adam_rule(history: History, hints: _Hints, t0: int, event: str, first: Move
     """A layer's ``adam_v_ratio`` jumping 1-8 steps before -> ``adam_second_moment``; weak when a gradient or
     update-ratio precursor moved earlier still (the earliest deviating signal wins)."""
     mods = history.modules
-    adam = _earliest([m for m in (find_move(mods, n, t0, factor=3.0, lead_steps=8) for n in
-                                  _modules(mods, "adam_v_ratio")) if m is not None and 1 <= m.lead <= 8])
+    adam = earliest([m for m in (find_move(mods, n, t0, factor=3.0, lead_steps=8) for n in
+                                  modules(mods, "adam_v_ratio")) if m is not None and 1 <= m.lead <= 8])
     if adam is None:
         return None
     if first is not None and first.step < adam.step:
-        hints.add("adam_second_moment", 0.5, f"{_fmt(adam, event)}, after {first.signal} had moved (step "
+        hints.add("adam_second_moment", 0.5, f"{describe(adam, event)}, after {first.signal} had moved (step "
                                              f"{first.step})", adam.signal)
     else:
-        hints.add("adam_second_moment", 0.85, _fmt(adam, event), adam.signal)
+        hints.add("adam_second_moment", 0.85, describe(adam, event), adam.signal)
     return adam
 
 
@@ -526,7 +368,7 @@ def _update_jump_rule(finding: Finding, history: History, hints: _Hints) -> None
     the layers) -> ``attention_logit_growth``; otherwise the effective step grew -> ``lr_too_high`` (weaker)."""
     module = finding.signal.split("/", 1)[1] if "/" in finding.signal else ""
     jumped = int(finding.evidence.get("layers", 1.0))
-    layers = len(_modules(history.modules, "update_ratio"))
+    layers = len(modules(history.modules, "update_ratio"))
     where = f"{finding.signal} jumped {finding.score:.3g}x"
     if ATTENTION_MODULE.search(module) and layers >= 3 and 2 * jumped <= layers:
         hints.add("attention_logit_growth", 0.75, f"{where} ({plural(jumped, 'layer')} of {layers}, attention "
@@ -541,7 +383,7 @@ def _localized_attention(finding: Finding, history: History, hints: _Hints, even
     the layers; an LR too high moves every layer at once) -> ``attention_logit_growth``, stronger when the
     attention logits grew before the onset too."""
     moves = [m for m in rises if m.signal.startswith("update_ratio/")]
-    layers = _modules(history.modules, "update_ratio")
+    layers = modules(history.modules, "update_ratio")
     if not moves or len(layers) < 3:
         return
     start = min(m.step for m in moves)
@@ -551,7 +393,7 @@ def _localized_attention(finding: Finding, history: History, hints: _Hints, even
     text = (f"{', '.join(leaders)} rose first ({plural(finding.onset - start, 'step')} before {event}, step {start}) "
             f"while the other {plural(len(layers) - len(leaders), 'layer')} and the lr did not: the attention "
             "projections update too fast")
-    grown = [(n, pair[1] / pair[0]) for n in _modules(history.modules, "attn_logit_max")
+    grown = [(n, pair[1] / pair[0]) for n in modules(history.modules, "attn_logit_max")
              if (pair := _growth(history.modules, n, finding.onset - 1)) is not None and pair[0] > 0]
     best = max(grown, key=lambda g: g[1], default=None)
     if best is not None and best[1] >= PRECURSOR_GROWTH:
@@ -589,7 +431,7 @@ def _slow_rules(finding: Finding, history: History, hints: _Hints, event: str) -
     t0, mods, glob = finding.onset, history.modules, history.globals
     best: tuple[float, str] | None = None
     last = finding.step if finding.kind in GROWTH else t0 - 1  # no points after the onset of the event it explains
-    for name in _modules(mods, "attn_logit_max"):
+    for name in modules(mods, "attn_logit_max"):
         pair = _growth(mods, name, last)
         if pair is None or pair[0] <= 0 or pair[1] < ATTN_LEVEL:
             continue
@@ -600,7 +442,7 @@ def _slow_rules(finding: Finding, history: History, hints: _Hints, event: str) -
     if best is not None:
         hints.add("attention_logit_growth", 0.85 if best[0] >= 10 else 0.75 if best[0] >= 3 else 0.5, best[1],
                   "attn_logit_max")
-    for name, ring in [("logit_z", glob)] + [(n, mods) for n in _modules(mods, "logit_z")]:
+    for name, ring in [("logit_z", glob)] + [(n, mods) for n in modules(mods, "logit_z")]:
         pair = _growth(ring, name, t0, span=96)
         if pair and abs(pair[1] - pair[0]) >= 2.0 and abs(pair[1]) >= 3.0:
             score = 0.7 if finding.kind == "divergence" else 0.55
