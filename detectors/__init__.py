@@ -12,7 +12,7 @@ from stability.detectors.nan import NanConfig, NanDetector
 from stability.detectors.plateau import PlateauConfig, PlateauDetector
 from stability.detectors.ranking import Ranking, rank_causes
 from stability.detectors.spike import SpikeConfig, SpikeDetector
-from stability.detectors.update import AdamLagConfig, AdamLagDetector, UpdateConfig, UpdateRatioDetector
+from stability.detectors.update import AdamLagConfig, AdamLagDetector, LayerJumpConfig, LayerJumpDetector
 from stability.detectors.vanish import GradVanishingDetector, VanishConfig
 
 __all__ = [
@@ -34,6 +34,8 @@ __all__ = [
     "GrowthConfig",
     "GrowthDetector",
     "Incident",
+    "LayerJumpConfig",
+    "LayerJumpDetector",
     "LossScaleConfig",
     "LossScaleDetector",
     "NanConfig",
@@ -45,8 +47,6 @@ __all__ = [
     "Severity",
     "SpikeConfig",
     "SpikeDetector",
-    "UpdateConfig",
-    "UpdateRatioDetector",
     "VanishConfig",
     "rank_causes",
 ]

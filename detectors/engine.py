@@ -8,7 +8,7 @@ INTERFACE (stable; the worker and post-mortem depend on it):
     state = diag.state_dict(); diag2.load_state_dict(state)   # plain data (msgpack/JSON-able)
 
 Per rank it keeps one suite of detectors (NaN, loss spike, divergence, grad explosion, fp16 loss scale, vanishing
-gradients, logit/activation growth, update-ratio jumps, Adam lag, plateau) and a recent
+gradients, logit/activation growth, per-layer update-ratio and gradient jumps, Adam lag, plateau) and a recent
 :class:`~stability.detectors.history.History` for ranking; across ranks a
 :class:`~stability.detectors.crossrank.CrossRankDetector` compares data-parallel replicas (its findings are on the
 faulty rank and name its host). A rank whose step goes backwards was resumed from a checkpoint: its detectors and
@@ -49,7 +49,7 @@ from stability.detectors.nan import NanConfig, NanDetector
 from stability.detectors.plateau import PlateauConfig, PlateauDetector
 from stability.detectors.ranking import KIND_CAUSE, MAX_SKIP_BATCHES, rank_causes
 from stability.detectors.spike import SpikeConfig, SpikeDetector
-from stability.detectors.update import AdamLagConfig, AdamLagDetector, UpdateConfig, UpdateRatioDetector
+from stability.detectors.update import LAYER_GRAD, AdamLagConfig, AdamLagDetector, LayerJumpConfig, LayerJumpDetector
 from stability.detectors.vanish import GradVanishingDetector, VanishConfig
 from stability.records import StepRecord
 
@@ -77,7 +77,8 @@ class DiagnoserConfig:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     vanish: VanishConfig = field(default_factory=VanishConfig)
     growth: GrowthConfig = field(default_factory=GrowthConfig)
-    update: UpdateConfig = field(default_factory=UpdateConfig)
+    update: LayerJumpConfig = field(default_factory=LayerJumpConfig)
+    layer_grad: LayerJumpConfig = LAYER_GRAD
     adam_lag: AdamLagConfig = field(default_factory=AdamLagConfig)
     plateau: PlateauConfig = field(default_factory=PlateauConfig)
     crossrank: CrossRankConfig = field(default_factory=CrossRankConfig)
@@ -158,8 +159,8 @@ class _RankSuite:
         self.detectors: list[Detector] = [
             NanDetector(config.nan), SpikeDetector(config.spike), DivergenceDetector(config.divergence),
             GradExplosionDetector(config.grad), LossScaleDetector(config.loss_scale),
-            GradVanishingDetector(config.vanish), GrowthDetector(config.growth), UpdateRatioDetector(config.update),
-            AdamLagDetector(config.adam_lag), PlateauDetector(config.plateau),
+            GradVanishingDetector(config.vanish), GrowthDetector(config.growth), LayerJumpDetector(config.update),
+            LayerJumpDetector(config.layer_grad), AdamLagDetector(config.adam_lag), PlateauDetector(config.plateau),
         ]
         self.history = History(steps=config.history_steps, module_steps=config.module_history_steps,
                                max_series=config.max_series)

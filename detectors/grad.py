@@ -7,7 +7,8 @@
 * **Confirmation** at the next record: still ``>= confirm_ratio`` (2.5x) over the frozen baseline, or the loss is
   spiking -> ``grad_explosion`` WARNING (ERROR if the loss is also >= ``loss_ratio`` over its recent median).
   Otherwise an isolated blip (the clean llm.c run has a 7.5x one at step 9025 whose next value is 1.26x): INFO.
-* Per-layer ``grad_norm/<module>`` is not alarmed here; the engine keeps it for ranking (which layer moved first).
+* Per-layer ``grad_norm/<module>`` is not judged here: :data:`~stability.detectors.update.LAYER_GRAD` (a layer
+  20x over its own level) alarms on it, and the ranking uses it (which layer moved first).
 """
 
 from __future__ import annotations
