@@ -323,3 +323,14 @@ def test_adam_lag_is_a_warning_before_the_loss_moves_and_info_when_the_batch_alr
     assert [(a.step, a.severity) for a in found_] == [(300, Severity.WARNING), (600, Severity.INFO)]
     assert found_[0].causes[0].cause == "adam_second_moment" and "40x Adam's second-moment" in found_[0].message
     assert "the loss jumped 2.96x at the same step" in found_[1].message
+
+
+def test_one_layer_exploding_inside_a_calm_global_norm_is_a_grad_explosion_naming_it() -> None:
+    s = base()  # four layers with per-layer grad norms every step; the global norm is a separate series
+    s["grad_norm/h.0"][500] *= 60.0  # a small layer explodes; the global norm (dominated by others) is unchanged
+    s["grad_norm/h.3"][700] *= 12.0  # a 12x blip: under the 20x rule (bad batches reach 6-12x per layer)
+    alerts, _ = diagnose(to_records(s))
+    layer = [a for a in alerts if a.kind == "grad_explosion"]
+    assert [(a.step, a.signal, a.severity, a.detector) for a in layer] == [
+        (500, "grad_norm/h.0", Severity.WARNING, "layer_grad")]
+    assert "grad_norm/h.0 jumped" in layer[0].message
