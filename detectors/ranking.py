@@ -298,7 +298,7 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
                   first.signal)
         _localized_attention(finding, history, hints, event, rises)
     if finding.kind == "update_ratio_jump" and not jumped:
-        _update_jump_rule(finding, history, hints)
+        _update_jump_rule(finding, history, hints, [m for m in moves if m is not None])
     if first is not None:
         found.append(first)
     adam = _adam_rule(history, hints, t0, event, first)
@@ -363,35 +363,45 @@ ATTENTION_MODULE = re.compile(r"attn|attention|qkv|q_proj|k_proj|query|key", re.
 """Module names of attention input projections (whose fast updates grow the attention logits)."""
 
 
-def _update_jump_rule(finding: Finding, history: History, hints: _Hints) -> None:
-    """An update-ratio jump with the logged LR unchanged: only attention projections jumped (a strict minority of
-    the layers) -> ``attention_logit_growth``; otherwise the effective step grew -> ``lr_too_high`` (weaker)."""
-    module = finding.signal.split("/", 1)[1] if "/" in finding.signal else ""
-    jumped = int(finding.evidence.get("layers", 1.0))
-    layers = len(modules(history.modules, "update_ratio"))
-    where = f"{finding.signal} jumped {finding.score:.3g}x"
-    if ATTENTION_MODULE.search(module) and layers >= 3 and 2 * jumped <= layers:
-        hints.add("attention_logit_growth", 0.75, f"{where} ({plural(jumped, 'layer')} of {layers}, attention "
-                                                  "projections) while the logged lr did not change", finding.signal)
-    else:
-        hints.add("lr_too_high", 0.6, f"{where} ({plural(jumped, 'layer')}) while the logged lr did not change: "
-                                      "the effective step size grew", finding.signal)
-
-
-def _localized_attention(finding: Finding, history: History, hints: _Hints, event: str, rises: list[Move]) -> None:
-    """With the LR unchanged, update ratios that rose first only in attention projections (a strict minority of
-    the layers; an LR too high moves every layer at once) -> ``attention_logit_growth``, stronger when the
-    attention logits grew before the onset too."""
-    moves = [m for m in rises if m.signal.startswith("update_ratio/")]
+def _attention_leaders(history: History, moves: list[Move]) -> tuple[list[str], int, int] | None:
+    """``(leaders, first step, layers)`` when the update ratios that moved first (within 2 steps of the earliest)
+    are only attention projections and a strict minority of the ``layers`` (an LR too high moves every layer at
+    once); else ``None``."""
+    moves = [m for m in moves if m.signal.startswith("update_ratio/")]
     layers = modules(history.modules, "update_ratio")
     if not moves or len(layers) < 3:
-        return
+        return None
     start = min(m.step for m in moves)
     leaders = sorted({m.signal for m in moves if m.step <= start + 2})
     if 2 * len(leaders) > len(layers) or not all(ATTENTION_MODULE.search(n.split("/", 1)[1]) for n in leaders):
+        return None
+    return leaders, start, len(layers)
+
+
+def _update_jump_rule(finding: Finding, history: History, hints: _Hints, moves: list[Move]) -> None:
+    """An update-ratio jump with the logged LR unchanged: only attention projections moved -> ``attention_logit_
+    growth``; otherwise the effective step grew -> ``lr_too_high`` (weaker). ``moves`` include those at the onset."""
+    where = f"{finding.signal} jumped {finding.score:.3g}x"
+    found = _attention_leaders(history, moves)
+    if found is not None:
+        leaders, _, layers = found
+        hints.add("attention_logit_growth", 0.75, f"{where}; only {', '.join(leaders)} of {plural(layers, 'layer')} "
+                                                  "moved, while the logged lr did not change", leaders[0])
+    else:
+        hints.add("lr_too_high", 0.6, f"{where} while the logged lr did not change: the effective step size grew",
+                  finding.signal)
+
+
+def _localized_attention(finding: Finding, history: History, hints: _Hints, event: str, rises: list[Move]) -> None:
+    """With the LR unchanged, update ratios that rose first only in attention projections
+    (:func:`_attention_leaders`) -> ``attention_logit_growth``, stronger when the attention logits grew before the
+    onset too."""
+    found = _attention_leaders(history, rises)
+    if found is None:
         return
+    leaders, start, layers = found
     text = (f"{', '.join(leaders)} rose first ({plural(finding.onset - start, 'step')} before {event}, step {start}) "
-            f"while the other {plural(len(layers) - len(leaders), 'layer')} and the lr did not: the attention "
+            f"while the other {plural(layers - len(leaders), 'layer')} and the lr did not: the attention "
             "projections update too fast")
     grown = [(n, pair[1] / pair[0]) for n in modules(history.modules, "attn_logit_max")
              if (pair := _growth(history.modules, n, finding.onset - 1)) is not None and pair[0] > 0]

@@ -414,3 +414,20 @@ def test_isolation_forest_tempers_bad_batch_when_the_records_before_were_odd_tog
     plain["loss"][500:504] *= 2.0
     alerts, _ = diagnose(plain)
     assert next(a for a in alerts if a.kind == "loss_spike").causes[0].score == 0.6
+
+
+def test_update_ratio_jump_of_attention_projections_only_names_attention_else_the_step_size() -> None:
+    s = layered()
+    for layer in range(2):
+        s[f"update_ratio/h.{layer}.qkv"][500] *= 50.0  # only the attention input projections, lr unchanged
+    alerts, _ = diagnose(s)
+    jump = next(a for a in alerts if a.kind == "update_ratio_jump")
+    assert (jump.step, jump.causes[0].cause) == (500, "attention_logit_growth"), jump.causes
+    assert "update_ratio/h.0.qkv, update_ratio/h.1.qkv of 8 layers" in jump.causes[0].evidence
+    s = layered()
+    for name in [n for n in s if n.startswith("update_ratio/")]:
+        s[name][500] *= 50.0 if name.endswith("qkv") else 5.0  # every layer moved: not localized
+    alerts, _ = diagnose(s)
+    jump = next(a for a in alerts if a.kind == "update_ratio_jump")
+    assert jump.causes[0].cause == "lr_too_high", jump.causes
+    assert "attention_logit_growth" not in [c.cause for c in jump.causes]
