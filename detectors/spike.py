@@ -89,35 +89,46 @@ class SpikeDetector:
         y = log_positive(value)
         if y is None:
             return []
-        out: list[Finding] = []
+        out = self._forget_across_gap(record)
         if self._active is not None:
-            if record.step - self._active["last"] <= self.config.max_gap:
-                return self._track(record, y)
-            out.append(self._close(record, self._active, f"records resume at step {record.step}, "
-                                   f"{record.step - self._active['last']} steps after the spike's last record"))
-            self._active = None  # nothing is known in the gap: judge the new record afresh
-        return out + self._fresh(record, y)
-
-    def _fresh(self, record: StepRecord, y: float) -> list[Finding]:
-        if self._pending is not None and record.step - self._pending["step"] > self.config.max_gap:
-            pending, self._pending = self._pending, None  # the next record is too far to tell a batch outlier
-            return [self._unconfirmed(pending, f"the next record is {record.step - pending['step']} steps later, "
-                                      "too far to tell whether it reverted at once"), *self._fresh(record, y)]
+            return out + self._track(record, y)
         if self._pending is not None:
-            pending = self._pending
-            if self._anomalous(y, self._base.predict(record.step)):
-                self._pending = None
-                return [self._confirm(record, y, pending)]
-            if self._recovered(y, pending):
-                self._pending = None
-                out = [self._reverted(record, pending)]
-                self._base.accept(record.step, y)
-                return out
-            pending["waited"] = pending.get("waited", 0) + 1
-            if pending["waited"] > self.config.max_wait:  # neither back nor spiking again: it stayed up
-                self._pending = None
-                return [self._confirm(record, y, pending)]
-            return []
+            return out + self._judge_pending(record, y, self._pending)
+        return out + self._candidate(record, y)
+
+    def _forget_across_gap(self, record: StepRecord) -> list[Finding]:
+        """A record more than ``max_gap`` steps after the open spike or candidate: nothing is known in between, so
+        the spike is closed and the candidate reported unconfirmed; the record is then judged afresh."""
+        out = []
+        if self._active is not None and record.step - self._active["last"] > self.config.max_gap:
+            gap = record.step - self._active["last"]
+            out.append(self._close(record, self._active,
+                                   f"records resume at step {record.step}, {gap} steps after the spike's last record"))
+            self._active = None
+        if self._pending is not None and record.step - self._pending["step"] > self.config.max_gap:
+            gap = record.step - self._pending["step"]
+            out.append(self._unconfirmed(self._pending, f"the next record is {gap} steps later, too far to tell "
+                                         "whether it reverted at once"))
+            self._pending = None
+        return out
+
+    def _judge_pending(self, record: StepRecord, y: float, pending: dict[str, Any]) -> list[Finding]:
+        """Confirm the candidate, call it reverted, or wait (at most ``max_wait`` records)."""
+        if self._anomalous(y, self._base.predict(record.step)):
+            self._pending = None
+            return [self._confirm(record, y, pending)]
+        if self._recovered(y, pending):
+            self._pending = None
+            self._base.accept(record.step, y)
+            return [self._reverted(record, pending)]
+        pending["waited"] = pending.get("waited", 0) + 1
+        if pending["waited"] > self.config.max_wait:  # neither back nor spiking again: it stayed up
+            self._pending = None
+            return [self._confirm(record, y, pending)]
+        return []
+
+    def _candidate(self, record: StepRecord, y: float) -> list[Finding]:
+        """Judge a record with nothing open: accept it into the baseline, alarm at once, or hold a candidate."""
         steps = loss_steps(record)
         needed = 1 if steps >= self.config.few_min_points else self.config.few_min_points
         if len(self._base) < needed:
