@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stability.hooks.stats import to_device
+
 __all__ = ["OTHER", "ROOT", "ParamLayout", "build_layout", "optimizer_params"]
 
 ROOT = "root"
@@ -34,7 +36,6 @@ class ParamLayout:
     module_objects: list[torch.nn.Module | None]
     """The module of each group (None for ``_other``)."""
     _index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-    _index_source: list[torch.Tensor] = field(default_factory=list)
     _names: dict[str, list[str]] = field(default_factory=dict)
 
     @property
@@ -46,12 +47,7 @@ class ParamLayout:
         """The owner index as an int64 tensor on ``device``, made once (pinned + non-blocking copy on CUDA)."""
         cached = self._index.get(device)
         if cached is None:
-            host = torch.tensor(self.owners, dtype=torch.int64)
-            if device.type == "cuda":
-                host = host.pin_memory()
-                self._index_source.append(host)  # keep the pinned source alive while the copy runs
-            cached = host.to(device, non_blocking=True)
-            self._index[device] = cached
+            cached = self._index[device] = to_device(torch.tensor(self.owners, dtype=torch.int64), device)
         return cached
 
     def names(self, quantity: str) -> list[str]:

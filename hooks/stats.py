@@ -27,12 +27,12 @@ __all__ = [
     "activation_stats",
     "adam_lag",
     "first_float_tensor",
-    "host_floats",
     "logit_z",
     "logits_of",
     "nonfinite_count",
     "segment_sum",
     "tensor_norms",
+    "to_device",
 ]
 
 COUNT_CHUNK_ELEMENTS = 1 << 26
@@ -112,13 +112,11 @@ def adam_lag(grads: Sequence[torch.Tensor | None], exp_avg_sqs: Sequence[torch.T
     """
     g2 = tensor_norms(grads, out).square()
     v1 = tensor_norms(exp_avg_sqs, out, ord=1.0)
-    b2 = host_floats(beta2, out)
-    on_host = all(not isinstance(s, torch.Tensor) or s.device.type == "cpu" for s in steps)
+    b2 = to_device(torch.tensor(list(beta2), dtype=torch.float32), out)
     counts = [s.detach().reshape(()).to(torch.float32) if isinstance(s, torch.Tensor)
               else torch.tensor(0.0 if s is None else float(s)) for s in steps]
-    if on_host:  # plain torch.optim.Adam(W): CPU step tensors, stacked and copied without reading them
-        host = torch.stack(counts)
-        t = (host.pin_memory() if out.type == "cuda" else host).to(out, non_blocking=True)
+    if all(c.device.type == "cpu" for c in counts):  # plain Adam(W): CPU step tensors, stacked, never read
+        t = to_device(torch.stack(counts), out)
     else:  # capturable / fused: the step counts live on the device and stay there
         t = torch.stack([c.to(out, non_blocking=True) for c in counts])
     prev = (v1 - (1.0 - b2) * g2).clamp_min(0.0) / b2 / (1.0 - b2.pow(t - 1.0)).clamp_min(1e-12)
@@ -128,10 +126,9 @@ def adam_lag(grads: Sequence[torch.Tensor | None], exp_avg_sqs: Sequence[torch.T
             segment_sum(torch.where(used, prev, zero), index, segments))
 
 
-def host_floats(values: Sequence[float], out: torch.device) -> torch.Tensor:
-    """A float32 vector of host values on ``out`` without a blocking copy (pinned + non-blocking on CUDA; the
-    caching host allocator keeps the pinned block until the copy has run)."""
-    host = torch.tensor(list(values), dtype=torch.float32)
+def to_device(host: torch.Tensor, out: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``out`` without a blocking copy (pinned + non-blocking on CUDA; PyTorch's caching host
+    allocator keeps the pinned block until the copy has run)."""
     if out.type == "cuda":
         host = host.pin_memory()
     return host.to(out, non_blocking=True)
