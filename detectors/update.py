@@ -182,10 +182,6 @@ class AdamLagDetector:
         """Consume one record."""
         cfg = self.config
         self._lr.update(record.step, record.get("lr"))
-        loss = record.get("loss")
-        typical = median(np.fromiter(self._losses, dtype=np.float64)) if self._losses else math.nan
-        if math.isfinite(loss):
-            self._losses.append(loss)
         lags = []
         for name, value in record.signals.items():
             if split_signal(name)[0] != "adam_v_ratio" or not math.isfinite(value):
@@ -195,7 +191,12 @@ class AdamLagDetector:
                 lags.append((value, name))
             if value >= cfg.lag or quiet:
                 self._quiet[name] = cfg.cooldown if value >= cfg.lag else quiet - 1
-        if not lags or self._lr.in_warmup(record.step, cfg.warmup_gate):
+        alarm = bool(lags) and not self._lr.in_warmup(record.step, cfg.warmup_gate)
+        loss = record.get("loss")
+        typical = median(np.fromiter(self._losses, dtype=np.float64)) if alarm and self._losses else math.nan
+        if math.isfinite(loss):
+            self._losses.append(loss)
+        if not alarm:
             return []
         value, name = max(lags)
         loss_up = math.isfinite(loss) and typical > 0 and loss >= cfg.loss_ratio * typical
