@@ -518,14 +518,13 @@ def _label_warmup(loss: dict[int, float], last: int) -> list[Event]:
     than ``MAX_RECOVERY`` steps. (With the same peak LR, a 40-step warm-up gives no such event: the counterfactual
     that makes the cause the warm-up.)"""
     best = math.inf
-    for s in range(last + 1):
-        v = loss.get(s, math.nan)
+    for s in sorted(loss):  # steps without a loss record are unknown, not non-finite
+        v = loss[s]
         if not math.isfinite(v) or v >= SPIKE_FACTOR * best:
             end = _recovery(loss, s + 1, RECOVERED_FACTOR * best, last)
             kind = "divergence" if end >= min(last, s + MAX_RECOVERY) else "loss_spike"
             return [Event(kind=kind, cause="warmup_too_short", onset=s, end=end, precursor_start=0)]
-        if math.isfinite(v):
-            best = min(best, v)
+        best = min(best, v)
     return []
 
 
