@@ -1,4 +1,8 @@
-"""The ``stability`` command: ``demo``, ``worker``, ``postmortem``, ``eval``."""
+"""The ``stability`` command: ``demo``, ``worker``, ``postmortem``, ``eval``.
+
+Everything heavy (torch, the detectors, Celery) is imported only by the subcommand that needs it, so
+``stability --help`` and ``stability --version`` answer at once.
+"""
 
 from __future__ import annotations
 
@@ -7,35 +11,56 @@ import logging
 import sys
 from pathlib import Path
 
-from stability.errors import StabilityError
-
 __all__ = ["main"]
+
+FAULTS = ("none", "bad-batch", "lr-spike", "nan", "divergence")
+"""The demo's faults (the same tuple as :data:`stability.demo.FAULTS`, kept here so that help needs no torch)."""
+DEFAULT_FAULT = "lr-spike"
+SEVERITIES = ("info", "warning", "error")
+
+
+def _version() -> str:
+    from stability import __version__
+
+    return __version__
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stability", description="Training-stability diagnosis.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    demo = sub.add_parser("demo", help="train a tiny GPT with an injected fault and diagnose it live")
-    from stability.demo import DEFAULT_FAULT, FAULTS
-
-    demo.add_argument(
-        "--fault", choices=FAULTS, default=DEFAULT_FAULT, help=f"fault to inject (default {DEFAULT_FAULT})"
+    parser = argparse.ArgumentParser(
+        prog="stability", description="Training-stability diagnosis: live alerts during training, post-mortems after.",
     )
+    parser.add_argument("--version", action="version", version=f"stability {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="train a tiny GPT with an injected fault and diagnose it live",
+                          description="Train a tiny GPT on the CPU with an injected fault and diagnose it live.")
+    demo.add_argument("--fault", choices=FAULTS, default=DEFAULT_FAULT,
+                      help=f"fault to inject (default {DEFAULT_FAULT})")
     demo.add_argument("--steps", type=int, default=400, help="optimizer steps (default 400)")
     demo.add_argument("--run-dir", type=Path, default=None, help="run directory (default ./stability-runs/demo-...)")
 
-    worker = sub.add_parser(
-        "worker", help="run a Celery worker that diagnoses runs (uses STABILITY_REDIS_URL)", add_help=False
-    )
-    worker.add_argument("celery_args", nargs=argparse.REMAINDER, help="extra arguments passed to celery worker")
+    sub.add_parser(
+        "worker", add_help=False,
+        help="run a Celery worker that diagnoses runs (Redis from STABILITY_REDIS_URL, default "
+             "redis://127.0.0.1:6379/0); 'stability worker --help' for its options",
+    )  # fmt: skip
+    sub.add_parser("eval", add_help=False,
+                   help="score the detectors on the labelled corpus (docs/evaluation.md); 'stability eval --help'")
 
-    sub.add_parser("eval", help="score the detectors on the labelled corpus (see docs/evaluation.md)", add_help=False)
-
-    pm = sub.add_parser("postmortem", help="analyse a finished or failed run (run directory or CSV file)")
+    pm = sub.add_parser(
+        "postmortem", help="analyse a finished or failed run (run directory or CSV file)",
+        description="Analyse a run directory or a CSV log with the same detectors as the worker, and write "
+                    "findings.json and report.html next to the source (a CSV gets <stem>.findings.json and "
+                    "<stem>.report.html beside it) or into -o DIR.",
+    )  # fmt: skip
     pm.add_argument("source", type=Path, help="run directory or CSV file (column 'step' plus signal columns)")
-    pm.add_argument("--json", dest="json_out", type=Path, default=None, help="write findings JSON here")
-    pm.add_argument("--html", dest="html_out", type=Path, default=None, help="write a self-contained HTML report")
+    pm.add_argument("-o", "--out-dir", type=Path, default=None, help="write findings and report into this directory")
+    pm.add_argument("--json", dest="json_out", type=Path, default=None,
+                    help="findings JSON path (overrides the default)")
+    pm.add_argument("--html", dest="html_out", type=Path, default=None,
+                    help="HTML report path (overrides the default)")
+    pm.add_argument("--fail-on", choices=SEVERITIES, default=None,
+                    help="exit with code 1 when an incident of this severity or worse is found (for CI)")
     pm.add_argument("--run-id", default=None, help="run id for a CSV source (default: the file name)")
     pm.add_argument("--loss-averaged", choices=("auto", "yes", "no"), default="auto",
                     help="each CSV loss is the mean over the log interval (Megatron, HF Trainer); auto: yes for "
@@ -56,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(eval_main(argv[1:]))
     args = _parser().parse_args(argv)
+    from stability.errors import StabilityError
+
     try:
         if args.command == "demo":
             from stability.demo import run_demo
@@ -74,13 +101,17 @@ def _postmortem(args: argparse.Namespace) -> int:
     from stability import postmortem, report
 
     averaged = {"auto": None, "yes": True, "no": False}[args.loss_averaged]
-    result = postmortem.run(args.source, json_out=args.json_out, html_out=args.html_out, run_id=args.run_id,
+    json_default, html_default = postmortem.default_outputs(args.source, args.out_dir)
+    json_out, html_out = args.json_out or json_default, args.html_out or html_default
+    result = postmortem.run(args.source, json_out=json_out, html_out=html_out, run_id=args.run_id,
                             loss_averaged=averaged)
     print(report.render_text(result))
-    if args.json_out:
-        print(f"findings: {args.json_out}")
-    if args.html_out:
-        print(f"report:   {args.html_out}")
+    print(f"findings: {json_out}")
+    print(f"report:   {html_out}")
+    worst = result.worst()
+    if args.fail_on is not None and worst is not None and SEVERITIES.index(worst) >= SEVERITIES.index(args.fail_on):
+        print(f"stability: {worst} incident found (--fail-on {args.fail_on})", file=sys.stderr)
+        return 1
     return 0
 
 

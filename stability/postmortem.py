@@ -12,10 +12,13 @@ Sources:
   assumes it for files with Megatron's log-line fields (``consumed_samples`` and ``skipped_iters`` columns) and
   nowhere else; a ``loss_steps`` column always wins. The detectors read it (``detectors/spike.py``).
 * a run directory (:func:`load_run_dir`): the worker's Parquet archive ``archive/*.parquet`` plus any spool files
-  ``spool/spool-rank*.bin`` the training process could not send.
+  ``spool/spool-rank*.bin`` the training process could not send, and the run metadata ``run.json`` the training
+  side wrote (host, versions, config) when present.
 
 :func:`analyze` runs :class:`~stability.detectors.engine.RunDiagnoser` over the records and returns a
-:class:`PostmortemResult`; :func:`run` does load + analyse + write the JSON / HTML reports.
+:class:`PostmortemResult`; :func:`run` does load + analyse + write the JSON / HTML reports. By default
+(:func:`default_outputs`) they go next to the source: ``<run dir>/findings.json`` and ``<run dir>/report.html``, or
+``<stem>.findings.json`` and ``<stem>.report.html`` beside a CSV file, or into an output directory.
 """
 
 from __future__ import annotations
@@ -37,13 +40,26 @@ from stability.detectors.engine import DiagnoserConfig, Incident, RunDiagnoser
 from stability.errors import RecordError, SourceError
 from stability.records import StepRecord, decode
 
-__all__ = ["PostmortemResult", "analyze", "load_csv", "load_csv_groups", "load_run_dir", "run"]
+__all__ = [
+    "PostmortemResult",
+    "analyze",
+    "default_outputs",
+    "load_archive",
+    "load_csv",
+    "load_csv_groups",
+    "load_run_dir",
+    "load_run_meta",
+    "run",
+    "write_outputs",
+]
 
 logger = logging.getLogger(__name__)
 
 _META_COLUMNS = ("rank", "run_id", "batch", "host")
 _MEGATRON_FIELDS = ("consumed_samples", "skipped_iters")
 _ARCHIVE_META = ("run_id", "rank", "step", "wall_time", "host", "batch", "entry_id")
+RUN_META_FILE = "run.json"
+"""Run metadata the training side writes into the run directory (see :mod:`stability.session`)."""
 
 
 def _run_id_from(path: Path) -> str:
@@ -185,16 +201,44 @@ def load_run_dir(path: str | Path) -> list[StepRecord]:
     root = Path(path)
     if not root.is_dir():
         raise SourceError(f"{root}: not a run directory")
-    records: dict[tuple[int, int], StepRecord] = {}
-    for file in sorted((root / "archive").glob("*.parquet")):
-        for record in _read_parquet(file):
-            records.setdefault((record.rank, record.step), record)
+    records = _archive_records(root / "archive")
     for file in sorted((root / "spool").glob("spool-rank*.bin")):
         for record in _read_spool(file):
             records.setdefault((record.rank, record.step), record)
     if not records:
         raise SourceError(f"{root}: no records (looked for archive/*.parquet and spool/spool-rank*.bin)")
     return sorted(records.values(), key=lambda r: (r.rank, r.step))
+
+
+def load_archive(directory: str | Path) -> list[StepRecord]:
+    """Read the Parquet parts of one archive directory (``<run dir>/archive`` or ``$STABILITY_ARCHIVE_DIR/<run>``).
+
+    Raises:
+        SourceError: unreadable archive, or no records.
+    """
+    records = _archive_records(Path(directory))
+    if not records:
+        raise SourceError(f"{directory}: no records (looked for *.parquet)")
+    return sorted(records.values(), key=lambda r: (r.rank, r.step))
+
+
+def _archive_records(directory: Path) -> dict[tuple[int, int], StepRecord]:
+    records: dict[tuple[int, int], StepRecord] = {}
+    for file in sorted(directory.glob("*.parquet")):
+        for record in _read_parquet(file):
+            records.setdefault((record.rank, record.step), record)
+    return records
+
+
+def load_run_meta(run_dir: str | Path) -> dict[str, str]:
+    """The run metadata in ``<run_dir>/run.json`` (empty when absent or unreadable), values as strings."""
+    try:
+        data = json.loads((Path(run_dir) / RUN_META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in data.items()}
 
 
 def _read_parquet(file: Path) -> Iterable[StepRecord]:
@@ -255,6 +299,20 @@ class PostmortemResult:
     incidents: tuple[Incident, ...]
     alerts: tuple[Finding, ...] = field(default=())
     """The findings the online worker would have alerted on."""
+    meta: Mapping[str, str] = field(default_factory=dict)
+    """Run metadata (host, versions, config, W&B link, ...), shown in the report."""
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Number of incidents per severity (``error``, ``warning``, ``info``)."""
+        out = {"error": 0, "warning": 0, "info": 0}
+        for incident in self.incidents:
+            out[incident.headline.severity.value] += 1
+        return out
+
+    def worst(self) -> str | None:
+        """The highest severity among the incidents (None: no incident)."""
+        return next((sev for sev in ("error", "warning", "info") if self.counts[sev]), None)
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -263,7 +321,8 @@ class PostmortemResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (non-finite values as strings)."""
-        return {"run_id": self.run_id, "steps": self.steps, "ranks": list(self.ranks), "events": self.events}
+        return {"run_id": self.run_id, "steps": self.steps, "ranks": list(self.ranks), "counts": self.counts,
+                "meta": dict(self.meta), "events": self.events}
 
     def to_json(self) -> str:
         """The report as strict JSON text: ``{"run_id", "steps", "events": [...]}``."""
@@ -293,8 +352,9 @@ def _event(incident: Incident) -> dict[str, Any]:
     }
 
 
-def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConfig | None = None) -> PostmortemResult:
-    """Run the detector suite over ``records`` (any order; fed by step, then rank)."""
+def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConfig | None = None,
+            meta: Mapping[str, str] | None = None) -> PostmortemResult:
+    """Run the detector suite over ``records`` (any order; fed by step, then rank); ``meta`` goes to the report."""
     diagnoser = RunDiagnoser(config)
     alerts: list[Finding] = []
     ordered = sorted(records, key=lambda r: (r.step, r.rank))
@@ -304,7 +364,41 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
     incidents = sorted(diagnoser.incidents, key=lambda i: (i.onset, i.rank))
     return PostmortemResult(run_id=run_id, steps=len({r.step for r in records}),
                             ranks=tuple(sorted({r.rank for r in records})), incidents=tuple(incidents),
-                            alerts=tuple(alerts))
+                            alerts=tuple(alerts), meta=dict(meta or {}))
+
+
+def default_outputs(source: str | Path, out_dir: str | Path | None = None) -> tuple[Path, Path]:
+    """Where :func:`run` writes by default: ``(findings JSON, HTML report)``.
+
+    A run directory gets ``findings.json`` and ``report.html`` inside it, a CSV file ``<stem>.findings.json`` and
+    ``<stem>.report.html`` beside it; with ``out_dir`` the same names go into that directory instead.
+    """
+    source = Path(source)
+    if source.is_dir():
+        base, prefix = source, ""
+    else:
+        base, prefix = source.parent, f"{source.stem}."
+    if out_dir is not None:
+        base = Path(out_dir)
+    return base / f"{prefix}findings.json", base / f"{prefix}report.html"
+
+
+def write_outputs(result: PostmortemResult, records: Sequence[StepRecord], *, json_out: str | Path | None = None,
+                  html_out: str | Path | None = None) -> None:
+    """Write the findings JSON and/or the HTML report (each through a temporary file, then renamed)."""
+    if json_out is not None:
+        _write_text(Path(json_out), result.to_json() + "\n")
+    if html_out is not None:
+        from stability.report import render_html
+
+        _write_text(Path(html_out), render_html(result, records))
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
 
 
 def run(source: str | Path, json_out: str | Path | None = None, html_out: str | Path | None = None, *,
@@ -326,11 +420,7 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
         raise SourceError(f"{source}: no such file or directory")
     if not records:
         raise SourceError(f"{source}: no records")
-    result = analyze(records, run_id or records[0].run_id)
-    if json_out is not None:
-        Path(json_out).write_text(result.to_json() + "\n", encoding="utf-8")
-    if html_out is not None:
-        from stability.report import render_html
-
-        Path(html_out).write_text(render_html(result, records), encoding="utf-8")
+    meta = load_run_meta(source) if source.is_dir() else {"source": str(source)}
+    result = analyze(records, run_id or records[0].run_id, meta=meta)
+    write_outputs(result, records, json_out=json_out, html_out=html_out)
     return result

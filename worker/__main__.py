@@ -8,14 +8,21 @@ gossip/mingle/heartbeat traffic. Unknown arguments go to ``celery worker`` uncha
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main", "worker_argv"]
 
+_DESCRIPTION = (
+    "Run a Celery worker that diagnoses training runs. Redis (records and broker) comes from STABILITY_REDIS_URL "
+    "(default redis://127.0.0.1:6379/0). Defaults: --pool solo, the embedded beat (sweep scheduler; run exactly one "
+    "per Redis, pass --no-beat to additional workers), INFO logging. Unknown options go to 'celery worker'."
+)
+
 
 def worker_argv(argv: list[str] | None = None) -> list[str]:
     """The ``celery`` argument list that :func:`main` runs for ``argv``."""
-    parser = argparse.ArgumentParser(prog="stability worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="stability worker", description=_DESCRIPTION)
     parser.add_argument("--pool", choices=("solo", "prefork"), default="solo", help="worker pool (default solo)")
     parser.add_argument("--concurrency", type=int, default=None, help="prefork processes (default: CPU count)")
     parser.add_argument("--loglevel", default="INFO", help="log level (default INFO)")
@@ -34,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the worker until it is stopped; return its exit status."""
     try:
         cmd = worker_argv(sys.argv[1:] if argv is None else argv)
+        if not os.environ.get("STABILITY_REDIS_URL"):
+            from stability.worker.app import DEFAULT_REDIS_URL
+
+            print(f"stability worker: STABILITY_REDIS_URL is not set; using {DEFAULT_REDIS_URL} "
+                  "(set STABILITY_REDIS_URL=redis://HOST:PORT/DB to use another server)", file=sys.stderr, flush=True)
         from stability.worker.app import app
 
         app.worker_main(cmd)

@@ -14,7 +14,9 @@ call:
    the entries pending and the old state, so the next drain re-processes the batch from the same state and the
    idempotent sinks absorb the repeat;
 4. when every rank has ``ended:<rank>`` in the metadata and nothing is left, calls ``finish()``, closes the
-   sinks for the run, marks the metadata ``drained`` and removes the run from ``keys.RUNS``.
+   sinks for the run (the report sink writes ``findings.json`` and ``report.html`` then; a background thread
+   renews the lease meanwhile, since a long run's report can take longer than one lease), marks the metadata
+   ``drained`` and removes the run from ``keys.RUNS``.
 
 Malformed entries (not decodable, missing field ``r``, wrong run) are never retried: they go to
 ``keys.errors(run)`` with the reason, count in the metadata field ``errors`` and are acked with the batch.
@@ -22,9 +24,11 @@ Malformed entries (not decodable, missing field ``r``, wrong run) are never retr
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -305,8 +309,9 @@ class Drainer:
         findings = diag.finish()
         for sink in self.sinks:
             sink.emit(self.run_id, findings, [])
-        for sink in self.sinks:
-            sink.close(self.run_id)
+        with self._lease_kept(token):
+            for sink in self.sinks:
+                sink.close(self.run_id)
 
         def ops(pipe: Any) -> None:
             pipe.hset(keys.meta(self.run_id), "drained", repr(time.time()))
@@ -315,6 +320,26 @@ class Drainer:
         self._transaction(token, diag, ops)
         logger.info("%s: drained (%d findings at finish)", self.run_id, len(findings))
         return findings
+
+    @contextlib.contextmanager
+    def _lease_kept(self, token: str) -> Any:
+        """Renew the lease every third of its time on a background thread while the body runs."""
+        done = threading.Event()
+
+        def keep() -> None:
+            while not done.wait(self.lease_ms / 3000):
+                try:
+                    self._renew(token)
+                except (_LeaseLost, redis.RedisError):
+                    return
+
+        thread = threading.Thread(target=keep, name=f"stability-lease-{self.run_id}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def _transaction(self, token: str, diag: Diagnoser, ops: Callable[[Any], None]) -> None:
         lock = keys.lock(self.run_id)

@@ -9,7 +9,9 @@ detector state, producing the same findings. Every sink is therefore idempotent:
 * :class:`RedisFindingsSink` adds a finding to the findings stream only once per ``(rank, kind, step)``;
 * :class:`ArchiveSink` writes one Parquet part per (batch, rank) with a deterministic name, so a re-processed
   batch overwrites its own part;
-* :class:`~stability.worker.wandb_sink.WandbSink` keeps its own ``(rank, kind, step)`` set.
+* :class:`~stability.worker.wandb_sink.WandbSink` keeps its own ``(rank, kind, step)`` set;
+* :class:`ReportSink` acts only when the run is closed: it rewrites ``findings.json`` and ``report.html`` from the
+  whole archive (a repeated close writes the same files again).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "Entry",
     "MetaLookup",
     "RedisFindingsSink",
+    "ReportSink",
     "Sink",
     "finding_key",
     "redis_meta",
@@ -181,13 +184,11 @@ class ArchiveSink:
         return self._dirs[run_id]
 
     def _resolve(self, run_id: str) -> Path | None:
-        run_dir = self._meta(run_id).get("run_dir")
-        if run_dir and Path(run_dir).is_dir():
-            return Path(run_dir) / "archive"
-        if self._base is not None:
-            return self._base / run_id
-        logger.info("%s: not archived (run_dir %r not on this host, STABILITY_ARCHIVE_DIR unset)", run_id, run_dir)
-        return None
+        directory = archive_directory(self._meta(run_id), self._base, run_id)
+        if directory is None:
+            logger.info("%s: not archived (run_dir %r not on this host, STABILITY_ARCHIVE_DIR unset)", run_id,
+                        self._meta(run_id).get("run_dir"))
+        return directory
 
     def emit(self, run_id: str, findings: Sequence[Finding], records: Sequence[Entry]) -> None:
         """Write one part per rank of this batch."""
@@ -206,6 +207,64 @@ class ArchiveSink:
         directory = self._dirs.pop(run_id, None) or self._resolve(run_id)
         if directory is not None and directory.is_dir():
             compact(directory)
+
+
+def archive_directory(meta: Mapping[str, str], base: Path | None, run_id: str) -> Path | None:
+    """Where a run's archive parts go: ``<run_dir>/archive`` when the run directory is on this host, else
+    ``<base>/<run_id>`` (``STABILITY_ARCHIVE_DIR``), else None."""
+    run_dir = meta.get("run_dir")
+    if run_dir and Path(run_dir).is_dir():
+        return Path(run_dir) / "archive"
+    if base is not None:
+        return base / run_id
+    return None
+
+
+class ReportSink:
+    """At the end of a run writes ``findings.json`` and ``report.html`` next to its archive.
+
+    The output directory is the run directory when the archive is ``<run_dir>/archive``, else the archive directory
+    itself (``$STABILITY_ARCHIVE_DIR/<run_id>``). The files come from :func:`stability.postmortem.run` over the
+    compacted archive, so they are exactly what ``stability postmortem <run dir>`` prints; put this sink after
+    :class:`ArchiveSink`, whose ``close`` compacts the parts. The report's path is stored in the run's metadata
+    (field ``report``) for the training side's summary line. A failure is logged, never raised (the run is still
+    marked drained).
+    """
+
+    def __init__(self, meta: MetaLookup, client: redis.Redis[bytes] | None = None, *,
+                 archive_dir: str | Path | None = None) -> None:
+        self._meta = meta
+        self._client = client
+        base = archive_dir if archive_dir is not None else os.environ.get("STABILITY_ARCHIVE_DIR") or None
+        self._base = Path(base) if base is not None else None
+
+    def emit(self, run_id: str, findings: Sequence[Finding], records: Sequence[Entry]) -> None:
+        """Nothing to do per batch."""
+
+    def close(self, run_id: str) -> None:
+        """Write the run's findings and report (see the class docstring)."""
+        try:
+            self._write(run_id)
+        except Exception:
+            logger.exception("%s: could not write the findings and report", run_id)
+
+    def _write(self, run_id: str) -> None:
+        from stability import postmortem
+
+        meta = dict(self._meta(run_id))
+        directory = archive_directory(meta, self._base, run_id)
+        if directory is None or not any(directory.glob("*.parquet")):
+            logger.info("%s: no archive on this host; no report written", run_id)
+            return
+        run_dir = meta.get("run_dir")
+        out = Path(run_dir) if run_dir and directory == Path(run_dir) / "archive" else directory
+        records = postmortem.load_archive(directory)
+        result = postmortem.analyze(records, run_id, meta=meta)
+        json_path, html_path = out / "findings.json", out / "report.html"
+        postmortem.write_outputs(result, records, json_out=json_path, html_out=html_path)
+        logger.info("%s: findings -> %s, report -> %s", run_id, json_path, html_path)
+        if self._client is not None:
+            self._client.hset(keys.meta(run_id), mapping={"report": str(html_path), "findings": str(json_path)})
 
 
 def compact(directory: Path) -> None:

@@ -16,8 +16,8 @@ from stability import keys
 from stability.worker.advice import AdviceSink
 from stability.worker.app import app, settings
 from stability.worker.drain import Drainer
-from stability.worker.sinks import ArchiveSink, ConsoleSink, RedisFindingsSink, Sink, redis_meta
-from stability.worker.wandb_sink import WandbSink
+from stability.worker.sinks import ArchiveSink, ConsoleSink, RedisFindingsSink, ReportSink, Sink, redis_meta
+from stability.worker.wandb_sink import WandbSink, _RunState
 
 __all__ = ["drain", "sweep"]
 
@@ -36,7 +36,24 @@ def client() -> redis.Redis[bytes]:
 def sinks() -> list[Sink]:
     """This process's sinks (the W&B sink keeps one diagnosis run per training run)."""
     meta = redis_meta(client())
-    return [ConsoleSink(), RedisFindingsSink(client()), ArchiveSink(meta), AdviceSink(client()), WandbSink(meta)]
+    # order matters at the end of a run: the archive is compacted and the W&B URL stored before the report is made
+    return [ConsoleSink(), RedisFindingsSink(client()), ArchiveSink(meta), AdviceSink(client()), _LinkedWandbSink(meta),
+            ReportSink(meta, client())]
+
+
+class _LinkedWandbSink(WandbSink):
+    """The W&B sink, logging the diagnosis run's URL and storing it in the run's metadata (``wandb_url``)."""
+
+    def _start(self, run_id: str) -> _RunState | None:
+        state = super()._start(run_id)
+        url = getattr(state.run, "url", None) if state is not None else None
+        if url:
+            logger.info("%s: W&B diagnosis run: %s", run_id, url)
+            try:
+                client().hset(keys.meta(run_id), "wandb_url", str(url))
+            except redis.RedisError as exc:
+                logger.info("%s: could not store the W&B URL (%s)", run_id, exc)
+        return state
 
 
 def trigger_key(run_id: str) -> str:
