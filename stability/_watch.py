@@ -14,7 +14,7 @@ import torch
 from stability.config import WatchConfig
 from stability.hooks import frameworks
 from stability.hooks.capture import Capture
-from stability.session import Session, rank_from_env
+from stability.session import LazySession, Session, rank_from_env
 
 if TYPE_CHECKING:
     from stability.hooks.guard import Guard
@@ -27,12 +27,18 @@ log = logging.getLogger(__name__)
 class Handle:
     """What :func:`watch` returns: use as a context manager, or call :meth:`close` at the end of training."""
 
-    def __init__(self, config: WatchConfig, session: Session | None, capture: Capture | None) -> None:
+    def __init__(self, config: WatchConfig, session: Session | LazySession | None, capture: Capture | None) -> None:
         self.config = config
-        self.session = session
+        self._session = session
         self.capture = capture
         self.owns_frameworks = False
         """True when this handle installed the framework auto-attach hooks (auto mode)."""
+
+    @property
+    def session(self) -> Session | None:
+        """The open session (None when disabled, closed, or, with ``lazy``, before the first training step)."""
+        src = self._session
+        return src.session if isinstance(src, LazySession) else src
 
     @property
     def run_id(self) -> str:
@@ -41,13 +47,21 @@ class Handle:
 
     @property
     def run_dir(self) -> Path | None:
-        """Run directory (None when disabled)."""
-        return self.session.run_dir if self.session is not None else None
+        """Run directory (None when disabled); with ``lazy`` it is created on the first training step."""
+        src = self._session
+        if isinstance(src, LazySession):
+            return self.config.resolved_run_dir.resolve()
+        return src.run_dir if src is not None else None
 
     @property
     def redis_url(self) -> str | None:
-        """Redis the records go to (None when disabled)."""
-        return self.session.redis_url if self.session is not None else None
+        """Redis the records go to (None when disabled). With ``lazy``, asking for it starts the session now (and
+        waits until Redis is up): the caller wants to talk to that Redis."""
+        src = self._session
+        if isinstance(src, LazySession):
+            opened = src.wait()
+            return opened.redis_url if opened is not None else None
+        return src.redis_url if src is not None else None
 
     @property
     def active(self) -> bool:
@@ -74,20 +88,23 @@ class Handle:
         """Hand every completed step to the transport."""
         if self.capture is not None:
             self.capture.flush(timeout)
-        if self.session is not None:
-            self.session.emitter.flush(timeout)
+        src = self._session
+        if isinstance(src, LazySession):
+            src = src.wait(timeout) if src.started else None
+        if src is not None:
+            src.emitter.flush(timeout)
 
     def close(self, timeout: float = 60.0) -> None:
         """Detach all hooks, flush every record, and stop the embedded Redis and local worker if we own them."""
         capture, self.capture = self.capture, None
-        session, self.session = self.session, None
+        session, self._session = self._session, None
         if capture is not None:
             if self.owns_frameworks:
                 frameworks.uninstall()
             capture.close(timeout=min(timeout, 10.0))
         if session is not None:
-            session.close(timeout=timeout)
-            self._closed_session = session
+            closed = session.close(timeout=timeout)
+            self._closed_session = closed if isinstance(session, LazySession) else session
 
     def __enter__(self) -> Handle:
         return self
@@ -110,13 +127,19 @@ def default_run_id() -> str | None:
 
 
 def watch(
-    model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, **config: Any
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    lazy: bool = False,
+    **config: Any,
 ) -> Handle:
     """Attach stability to a training loop.
 
     Args:
         model: the model (None: discovered from the first forward pass).
         optimizer: the optimizer (None: the first optimizer that steps).
+        lazy: create the run directory and start Redis and the worker on the first training step instead of now
+            (what ``import stability.auto`` does, so that a process that never trains starts nothing).
         **config: :class:`~stability.config.WatchConfig` fields; they override ``STABILITY_*`` variables.
 
     Returns:
@@ -129,12 +152,20 @@ def watch(
     cfg = WatchConfig.from_env(**config)
     if not cfg.enabled:
         return Handle(cfg, None, None)
-    session = Session.open(cfg)
+    session: Session | LazySession
+    if lazy:
+        session = LazySession(cfg)
+        sink: Any = session
+        rank: int | None = None  # the capture asks torch.distributed when it builds its first record
+        run_dir = cfg.resolved_run_dir.resolve()
+    else:
+        session = Session.open(cfg)
+        sink, rank, run_dir = session.emitter, session.rank, session.run_dir
     # processes this one launches later (Lightning's DDP launcher, multiprocessing) join the same run
     os.environ.setdefault("STABILITY_RUN_ID", cfg.run_id)
-    os.environ.setdefault("STABILITY_RUN_DIR", str(session.run_dir))
+    os.environ.setdefault("STABILITY_RUN_DIR", str(run_dir))
     try:
-        capture = Capture(cfg, session.emitter, rank=session.rank).attach(model, optimizer)
+        capture = Capture(cfg, sink, rank=rank).attach(model, optimizer)
         handle = Handle(cfg, session, capture)
         if model is None and optimizer is None:  # auto mode: also attach to frameworks as they get imported
             frameworks.install(capture)

@@ -3,6 +3,10 @@
 Configuration comes from ``STABILITY_*`` environment variables (see :mod:`stability.config`). The handle is
 ``stability.auto.handle`` and is closed (everything flushed) at interpreter exit. Nothing here may crash the
 training script: any failure to attach is logged once and stability stays off.
+
+Lazy: the import only installs the hooks. The run directory, the embedded Redis and the local worker are created
+on the first training step (the capture's first record), on a background thread while the records wait in a
+buffer; a process that imports stability but never trains starts nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ log = logging.getLogger(__name__)
 handle: Handle | None = None
 
 try:
-    handle = watch()
+    handle = watch(lazy=True)
 except Exception as exc:  # never break the training script
     log.warning("stability: not attached (%s: %s)", type(exc).__name__, exc)
     handle = None

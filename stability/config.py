@@ -16,6 +16,7 @@ variable                       field                       meaning
 ``STABILITY_LOCAL_WORKER``     ``local_worker``            start a worker with the embedded Redis (1/0)
 ``STABILITY_QUEUE_SIZE``       ``queue_size``              bounded queue between training and emitter
 ``STABILITY_WANDB_PROJECT``    ``wandb_project``           W&B project for the diagnosis run
+``STABILITY_QUIET=1``          ``quiet=True``              no stability lines in the training terminal
 =============================  ==========================  ==============================================
 """
 
@@ -68,6 +69,8 @@ class WatchConfig:
     """Socket timeout of the emitter's Redis calls; on failure records go to the spool file."""
     wandb_project: str | None = None
     """W&B project for the worker's diagnosis run (None: from ``WANDB_PROJECT`` or the active ``wandb.run``)."""
+    quiet: bool = False
+    """True: print nothing in the training terminal (no start line, alerts or summary; ``STABILITY_QUIET=1``)."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -113,7 +116,7 @@ class WatchConfig:
 
 
 _INT_FIELDS = {"layer_every", "stats_every", "max_act_modules", "update_ratio_max_bytes", "queue_size"}
-_BOOL_FIELDS = {"enabled", "local_worker"}
+_BOOL_FIELDS = {"enabled", "local_worker", "quiet"}
 
 
 def _parse(name: str, raw: str) -> Any:

@@ -7,29 +7,43 @@
   started by local rank 0, plus one local worker process (``python -m stability.worker``) that lives and dies
   with the training process. Other local ranks wait for ``<run_dir>/redis/url`` and connect to the same server.
 
+Local rank 0 also starts a :class:`~stability.console.ConsoleReporter` (unless ``quiet``): the start line, the
+run's alerts as the worker decides them, and a summary line at :meth:`Session.close`. Global rank 0 writes the run
+metadata (host, versions, configuration) to ``<run_dir>/run.json`` for the report.
+
+:class:`LazySession` is what ``import stability.auto`` uses: it creates nothing until the first record arrives (a
+process that imports stability but never trains gets no run directory, Redis or worker), then opens the session
+on a background thread while it buffers records, so the training thread never waits for Redis to start.
+
 Training-side module: imports only stdlib, redis (via the transport) and the records layer.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import json
 import logging
 import os
+import platform
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from stability import keys
 from stability.config import WatchConfig
+from stability.console import ConsoleReporter
 from stability.embedded import RedisServer
 from stability.errors import EmbeddedServerError
+from stability.records import StepRecord
 from stability.transport import Emitter
 
-__all__ = ["Session", "rank_from_env"]
+__all__ = ["LazySession", "Session", "rank_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +81,12 @@ class Session:
     rank: int
     server: RedisServer | None = None
     worker: subprocess.Popen[bytes] | None = None
+    reporter: ConsoleReporter | None = None
 
     @classmethod
     def open(cls, config: WatchConfig) -> Session:
         """Start (or connect to) Redis and the local worker, and return a session with a running emitter."""
-        rank, local_rank, _world = rank_from_env()
+        rank, local_rank, world = rank_from_env()
         run_dir = config.resolved_run_dir.resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         server = worker = None
@@ -85,6 +100,14 @@ class Session:
                 worker = _start_worker(server, run_dir)
         else:
             url = _wait_for_url(run_dir / "redis" / URL_FILE)
+        meta = _run_meta(config, run_dir)
+        if rank == 0:
+            _write_run_json(run_dir, config, meta, world)
+        reporter = None
+        if local_rank == 0 and not config.quiet:
+            reporter = ConsoleReporter(url, config.run_id, run_dir, start_line(config, run_dir, url, meta,
+                                                                               local_worker=worker is not None))
+            reporter.start()
         emitter = Emitter(
             redis_url=url,
             run_id=config.run_id,
@@ -92,25 +115,31 @@ class Session:
             rank=rank,
             queue_size=config.queue_size,
             timeout_s=config.redis_timeout_s,
-            meta=_run_meta(config, run_dir),
+            meta=meta,
         )
         log.info("stability: run %s, rank %d, records -> %s, run dir %s", config.run_id, rank, url, run_dir)
         return cls(config=config, run_dir=run_dir, redis_url=url, emitter=emitter, rank=rank, server=server,
-                   worker=worker)
+                   worker=worker, reporter=reporter)
 
     def close(self, timeout: float = DRAIN_WAIT_S) -> None:
-        """Flush the emitter; with an embedded Redis wait for the local worker to drain, then stop both."""
+        """Flush the emitter; with an embedded Redis wait for the local worker to drain (it writes the findings and
+        the report), print the summary line, then stop the worker and the server."""
         self.emitter.close(timeout=min(timeout, 30.0))
+        drained = False
+        if self.server is not None and self.worker is not None:
+            drained = self._wait_drained(timeout)
+        if self.reporter is not None:
+            self.reporter.stop(drained=drained)
+            self.reporter = None
         if self.server is None:
             return
         if self.worker is not None:
-            self._wait_drained(timeout)
             _stop_process(self.worker)
             self.worker = None
         self.server.stop()
         self.server = None
 
-    def _wait_drained(self, timeout: float) -> None:
+    def _wait_drained(self, timeout: float) -> bool:
         import redis
 
         deadline = time.monotonic() + timeout
@@ -119,13 +148,151 @@ class Session:
             while time.monotonic() < deadline:
                 if self.worker is not None and self.worker.poll() is not None:
                     log.warning("stability: local worker exited with code %s", self.worker.returncode)
-                    return
+                    return False
                 if client.hexists(keys.meta(self.config.run_id), "drained"):
-                    return
+                    return True
                 time.sleep(0.1)
             log.warning("stability: worker did not finish draining run %s within %.0fs", self.config.run_id, timeout)
+            return False
         finally:
             client.close()
+
+
+class LazySession:
+    """A record sink that opens its :class:`Session` on the first record (see the module docstring).
+
+    ``put`` never blocks: before the session is up, records wait in a buffer of ``config.queue_size`` (older ones
+    are kept, newer ones dropped and counted when it is full) and are handed to the emitter in order once it runs.
+    If the session cannot be opened, the failure is logged once and records are dropped from then on.
+    """
+
+    def __init__(self, config: WatchConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._buffer: collections.deque[StepRecord] = collections.deque()
+        self._session: Session | None = None
+        self._thread: threading.Thread | None = None
+        self._failed = False
+        self._closed = False
+        self.dropped = 0
+        """Records dropped before the session was up (buffer full, or the session failed to open)."""
+
+    @property
+    def session(self) -> Session | None:
+        """The open session (None before the first record, while it starts, or when it failed)."""
+        return self._session
+
+    @property
+    def started(self) -> bool:
+        """True once the first record (or :meth:`start`) asked for the session."""
+        return self._thread is not None
+
+    def put(self, record: StepRecord) -> bool:
+        """Hand ``record`` to the emitter, or buffer it while the session starts; False when it was dropped."""
+        session = self._session
+        if session is not None:
+            return session.emitter.put(record)
+        with self._lock:
+            session = self._session
+            if session is None:
+                if self._failed or self._closed or len(self._buffer) >= self.config.queue_size:
+                    self.dropped += 1
+                    return False
+                self._buffer.append(record)
+                self._start_locked()
+                return True
+        return session.emitter.put(record)
+
+    def start(self) -> None:
+        """Start opening the session now (without waiting for a record)."""
+        with self._lock:
+            self._start_locked()
+
+    def wait(self, timeout: float = 60.0) -> Session | None:
+        """Start the session if needed and wait until it is open; the session (None if it failed)."""
+        self.start()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._session
+
+    def _start_locked(self) -> None:
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._open, name="stability-session", daemon=True)
+            self._thread.start()
+
+    def _open(self) -> None:
+        try:
+            session = Session.open(self.config)
+        except Exception as exc:
+            log.warning("stability: could not start the session, records are dropped (%s: %s)",
+                        type(exc).__name__, exc)
+            with self._lock:
+                self._failed = True
+                self.dropped += len(self._buffer)
+                self._buffer.clear()
+            return
+        with self._lock:  # hand over the buffer before any later put can reach the emitter: order is kept
+            while self._buffer:
+                session.emitter.put(self._buffer.popleft())
+            self._session = session
+
+    def close(self, timeout: float = DRAIN_WAIT_S) -> Session | None:
+        """Close the session if it was started (waiting for it to open first); the closed session or None."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        if thread is None:
+            return None
+        thread.join(timeout)
+        session = self._session
+        if session is not None:
+            session.close(timeout=timeout)
+        return session
+
+
+def start_line(config: WatchConfig, run_dir: Path, url: str, meta: dict[str, str], *, local_worker: bool) -> str:
+    """``stability: run <id> -> <run dir> · embedded Redis · local worker · W&B <project|off>``."""
+    if config.redis_url is None:
+        parts = ["embedded Redis", "local worker" if local_worker else "no local worker (STABILITY_LOCAL_WORKER=0)"]
+    else:
+        parts = [f"Redis {_safe_url(url)}", "remote workers (stability worker)"]
+    project = meta.get("wandb_project")
+    parts.append(f"W&B {project}" if project else "W&B off")
+    return f"stability: run {config.run_id} -> {run_dir} · " + " · ".join(parts)
+
+
+def _safe_url(url: str) -> str:
+    """``url`` without a password."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+def _write_run_json(run_dir: Path, config: WatchConfig, meta: dict[str, str], world: int) -> None:
+    """Run metadata for the report: ids, host, versions, configuration (secrets left out)."""
+    from stability import __version__
+
+    torch = sys.modules.get("torch")
+    info: dict[str, object] = {
+        "run_id": config.run_id,
+        "run_dir": str(run_dir),
+        "host": meta.get("host", ""),
+        "world_size": world,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "python": platform.python_version(),
+        "torch": str(getattr(torch, "__version__", "")),
+        "stability": __version__,
+        "command": " ".join(sys.argv)[:500],
+        "config": {f.name: str(getattr(config, f.name)) for f in fields(config)
+                   if f.name != "redis_url" and getattr(config, f.name) is not None},
+    }
+    if meta.get("wandb_project"):
+        info["wandb_project"] = meta["wandb_project"]
+    try:
+        (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:
+        log.info("stability: could not write %s (%s)", run_dir / "run.json", exc)
 
 
 def _run_meta(config: WatchConfig, run_dir: Path) -> dict[str, str]:
