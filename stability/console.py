@@ -125,10 +125,12 @@ class ConsoleReporter:
         start_line: the first line to print (see :func:`start_line`).
         stream: where to print (default: standard error).
         on_line: called with ``(finding dict, monotonic time printed)`` after each alert line (benchmarks, tests).
+        burst, refill_s: the rate limit (default :data:`BURST` lines, then one per :data:`REFILL_S` seconds).
     """
 
     def __init__(self, redis_url: str, run_id: str, run_dir: Path, start_line: str, *, stream: TextIO | None = None,
-                 on_line: Callable[[Mapping[str, Any], float], None] | None = None) -> None:
+                 on_line: Callable[[Mapping[str, Any], float], None] | None = None, burst: int = BURST,
+                 refill_s: float = REFILL_S) -> None:
         self.redis_url, self.run_id, self.run_dir = redis_url, run_id, run_dir
         self._start_line = start_line
         self._print = _Printer(stream)
@@ -143,7 +145,8 @@ class ConsoleReporter:
         self.suppressed = 0
         """Alert lines not printed because of the rate limit."""
         self._pending_note = 0
-        self._tokens = float(BURST)
+        self._burst, self._refill_s = float(burst), refill_s
+        self._tokens = float(burst)
         self._refilled = time.monotonic()
         self._logged_error = False
         self._client: Any = None
@@ -220,7 +223,7 @@ class ConsoleReporter:
         self.counts[severity] = self.counts.get(severity, 0) + 1
         if severity not in ("warning", "error"):
             return
-        self._tokens = min(float(BURST), self._tokens + (now - self._refilled) / REFILL_S)
+        self._tokens = min(self._burst, self._tokens + (now - self._refilled) / self._refill_s)
         self._refilled = now
         if self._tokens < 1.0:
             self.suppressed += 1

@@ -1,0 +1,202 @@
+"""What the HTML report plots, as plain JSON-ready data: the overview time series, per-incident evidence windows and
+per-layer robust z-score heat maps.
+
+Long runs are thinned for the overview (min/max per bucket, so every spike stays visible); incident windows keep
+every step. Non-finite values become ``None`` (gaps in the plots); non-finite losses are listed separately.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from stability.records import StepRecord
+
+__all__ = ["MAX_POINTS", "heatmap", "incident_window", "overview", "series"]
+
+MAX_POINTS = 4000
+"""The overview plots at most about this many points per series."""
+MAX_LAYERS = 40
+"""Heat maps show at most this many layers (those that moved most)."""
+MOVED_Z = 4.0
+"""A layer has "moved" when its robust z-score reaches this."""
+_BASE = ("loss", "lr", "grad_norm", "loss_scale", "skipped")
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def by_rank(records: Sequence[StepRecord], rank: int) -> list[StepRecord]:
+    """The records of one rank, by step."""
+    return sorted((r for r in records if r.rank == rank), key=lambda r: r.step)
+
+
+def series(records: Sequence[StepRecord], name: str) -> tuple[list[int], list[float]]:
+    """Steps and values of signal ``name`` where present (NaN/Inf kept)."""
+    steps, values = [], []
+    for r in records:
+        value = r.signals.get(name)
+        if value is not None:
+            steps.append(r.step)
+            values.append(float(value))
+    return steps, values
+
+
+def _thin(steps: list[int], values: list[float], limit: int = MAX_POINTS) -> tuple[list[int], list[float | None]]:
+    """At most ``limit`` points: min and max of each bucket, in step order (spikes survive)."""
+    if len(steps) <= limit:
+        return steps, [_finite(v) for v in values]
+    buckets = max(1, limit // 2)
+    size = math.ceil(len(steps) / buckets)
+    out_s: list[int] = []
+    out_v: list[float | None] = []
+    for start in range(0, len(steps), size):
+        chunk = [(s, v) for s, v in zip(steps[start:start + size], values[start:start + size], strict=True)
+                 if math.isfinite(v)]
+        if not chunk:
+            out_s.append(steps[start])
+            out_v.append(None)
+            continue
+        low, high = min(chunk, key=lambda p: p[1]), max(chunk, key=lambda p: p[1])
+        for s, v in sorted({low, high}):
+            out_s.append(s)
+            out_v.append(v)
+    return out_s, out_v
+
+
+def smoothed(values: list[float], window: int) -> list[float | None]:
+    """Centred moving average over finite values (None where a window holds none)."""
+    arr = np.asarray(values, dtype=float)
+    ok = np.isfinite(arr)
+    filled = np.where(ok, arr, 0.0)
+    kernel = np.ones(window)
+    sums = np.convolve(filled, kernel, mode="same")
+    counts = np.convolve(ok.astype(float), kernel, mode="same")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = sums / counts
+    return [float(v) if c > 0 else None for v, c in zip(out, counts, strict=True)]
+
+
+def overview(records: Sequence[StepRecord], rank: int) -> dict[str, Any]:
+    """The run's aligned time series of one rank: loss (raw + smoothed), LR, grad norm, loss scale + skipped steps,
+    step time (from record wall times). Absent signals are left out."""
+    recs = by_rank(records, rank)
+    out: dict[str, Any] = {"rank": rank, "series": {}}
+    steps, loss = series(recs, "loss")
+    if steps:
+        window = max(5, len(steps) // 100) | 1
+        out["series"]["loss"] = _thin(steps, loss)
+        smooth = [v if v is not None else math.nan for v in smoothed(loss, window)]
+        out["series"]["loss_smoothed"] = _thin(steps, smooth)
+        out["smooth_window"] = window
+        out["nonfinite_loss"] = [s for s, v in zip(steps, loss, strict=True) if not math.isfinite(v)][:500]
+    for name in ("lr", "grad_norm", "loss_scale"):
+        s, v = series(recs, name)
+        if s:
+            out["series"][name] = _thin(s, v)
+    s, v = series(recs, "skipped")
+    skipped = [step for step, value in zip(s, v, strict=True) if value >= 0.5]
+    if skipped:
+        out["skipped"] = skipped[:2000]
+    times = [(r.step, r.wall_time) for r in recs if r.wall_time > 0]
+    if len(times) > 2:
+        pairs = [(a, b) for a, b in itertools.pairwise(times) if b[0] > a[0]]
+        dt_steps = [b[0] for _a, b in pairs]
+        dt = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in pairs]
+        if dt and max(dt) > 0:
+            out["series"]["step_time"] = _thin(dt_steps, dt)
+    return out
+
+
+_SIGNAL_TOKEN = re.compile(r"[A-Za-z_][\w.]*(?:/[\w.\-]+)?")
+
+
+def evidence_signals(event: Mapping[str, Any], finding_evidence: Iterable[str], available: set[str]) -> list[str]:
+    """Signals worth plotting around an incident: the base signals, the triggering signal, the findings' evidence
+    keys and any signal named in the causes' evidence text; only those present in the records."""
+    names: list[str] = ["loss", "grad_norm", "lr", str(event.get("signal", "")), *finding_evidence]
+    for cause in event.get("causes", []):
+        names += [t for t in _SIGNAL_TOKEN.findall(str(cause.get("evidence", ""))) if "/" in t or t in available]
+    return [n for n in dict.fromkeys(names) if n in available][:8]
+
+
+def incident_window(records: Sequence[StepRecord], event: Mapping[str, Any], names: Sequence[str],
+                    before: int = 40, after: int = 20) -> dict[str, Any]:
+    """Every step of ``names`` on the incident's rank from ``before`` steps before the onset to ``after`` steps
+    after its end."""
+    recs = by_rank(records, int(event["rank"]))
+    lo = int(event["onset"]) - before
+    hi = int(event["end"] if event.get("end") is not None else event["step"]) + after
+    inside = [r for r in recs if lo <= r.step <= hi]
+    out: dict[str, Any] = {"lo": lo, "hi": hi, "series": {}}
+    for name in names:
+        s, v = series(inside, name)
+        if s:
+            out["series"][name] = (s, [_finite(x) for x in v])
+    return out
+
+
+def heatmap(records: Sequence[StepRecord], event: Mapping[str, Any], prefix: str, before: int = 40,
+            after: int = 20) -> dict[str, Any] | None:
+    """Robust z-scores of ``<prefix>/<layer>`` (log scale) around the incident: layers x steps.
+
+    The baseline of each layer is its median and MAD over the window's steps before the onset. Layers are ordered
+    by the step at which they first reached :data:`MOVED_Z` (earliest first; those that never did follow, by their
+    largest |z|), at most :data:`MAX_LAYERS`. None when the records hold no such signal in the window.
+    """
+    recs = by_rank(records, int(event["rank"]))
+    onset = int(event["onset"])
+    lo, hi = onset - before, int(event["end"] if event.get("end") is not None else event["step"]) + after
+    inside = [r for r in recs if lo <= r.step <= hi]
+    layers = sorted({n for r in inside for n in r.signals if n.startswith(prefix + "/")})
+    steps = sorted({r.step for r in inside if any(n.startswith(prefix + "/") for n in r.signals)})
+    if not layers or len(steps) < 2:
+        return None
+    index = {s: i for i, s in enumerate(steps)}
+    grid = np.full((len(layers), len(steps)), np.nan)
+    for r in inside:
+        if r.step not in index:
+            continue
+        for row, name in enumerate(layers):
+            value = r.signals.get(name)
+            if value is not None and math.isfinite(value) and value > 0:
+                grid[row, index[r.step]] = math.log(value)
+    base_cols = [i for i, s in enumerate(steps) if s < onset] or list(range(len(steps)))
+    rows = []
+    for row, name in enumerate(layers):
+        base = grid[row, base_cols]
+        base = base[np.isfinite(base)]
+        if base.size == 0:
+            continue
+        median = float(np.median(base))
+        scale = max(1.4826 * float(np.median(np.abs(base - median))), 0.02)
+        z = (grid[row] - median) / scale
+        moved = [steps[i] for i in range(len(steps)) if np.isfinite(z[i]) and abs(z[i]) >= MOVED_Z]
+        peak = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 0.0
+        rows.append((moved[0] if moved else math.inf, -peak, name, z))
+    if not rows:
+        return None
+    rows.sort(key=lambda t: (t[0], t[1]))
+    rows = rows[:MAX_LAYERS]
+    first = rows[0]
+    zvals = [[None if not np.isfinite(x) else round(float(np.clip(x, -50, 50)), 2) for x in z] for *_, z in rows]
+    return {
+        "prefix": prefix,
+        "steps": steps,
+        "layers": [name[len(prefix) + 1:] for _, _, name, _ in rows],
+        "z": zvals,
+        "first": None if first[0] == math.inf else {"layer": first[2][len(prefix) + 1:], "step": int(first[0]),
+                                                    "z": round(float(-first[1]), 1)},
+        "onset": onset,
+    }
+
+
+def base_signals() -> tuple[str, ...]:
+    """Signals the overview plots."""
+    return _BASE

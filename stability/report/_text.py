@@ -1,0 +1,64 @@
+"""The plain-text summary of a post-mortem (printed by ``stability postmortem``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stability.console import display_remedy
+from stability.postmortem import PostmortemResult
+
+__all__ = ["cell", "plural", "render_text", "rollback_words"]
+
+
+def cell(value: Any) -> str:
+    """``-`` for None, else ``str(value)``."""
+    return "-" if value is None else str(value)
+
+
+def plural(n: int, word: str) -> str:
+    """``1 step``, ``2 steps``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _host(event: dict[str, Any]) -> str:
+    return f", host {event['host']}" if event.get("host") else ""
+
+
+def rollback_words(event: dict[str, Any]) -> str:
+    """The rollback advice of an event in words."""
+    step = event.get("rollback_step")
+    if step is None:
+        return "no rollback step: the records show no precursor before the onset"
+    return (f"resume from the last checkpoint at or before step {step} (the last step before the earliest "
+            f"precursor; the onset was step {event['onset']})")
+
+
+def render_text(result: PostmortemResult) -> str:
+    """A plain-text summary: events table, top causes, remedy and rollback step of each event."""
+    events = result.events
+    serious = [e for e in events if e["severity"] != "info"]
+    lines = [f"run {result.run_id}: {plural(result.steps, 'step')}, {plural(len(events), 'event')} "
+             f"({len(serious)} warning/error, {len(events) - len(serious)} info)"]
+    if not events:
+        lines.append("no instability detected")
+        return "\n".join(lines) + "\n"
+    header = ("severity", "kind", "rank", "onset", "step", "end", "top cause", "score")
+    rows = [(e["severity"], e["kind"], str(e["rank"]), str(e["onset"]), str(e["step"]), cell(e["end"]),
+             e["causes"][0]["cause"] if e["causes"] else "unknown",
+             f"{e['causes'][0]['score']:.2f}" if e["causes"] else "-") for e in events]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+    for event in serious or events[:5]:
+        lines.append("")
+        lines.append(f"[{event['severity'].upper()}] {event['kind']} at step {event['step']} "
+                     f"(rank {event['rank']}{_host(event)}): {event['message']}")
+        if len(event.get("kinds", ())) > 1:
+            lines.append(f"  evidence from: {', '.join(event['kinds'])}")
+        for cause in event["causes"][:3]:
+            lines.append(f"  - {cause['cause']} ({cause['score']:.2f}): {cause['evidence']}")
+        lines.append(f"  remedy: {display_remedy(event['remedy'], event['skip_batches'])}")
+        lines.append(f"  rollback step: {cell(event['rollback_step'])}")
+        if event["skip_batches"]:
+            lines.append(f"  skip batches: {', '.join(event['skip_batches'])}")
+    return "\n".join(lines) + "\n"
