@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from stability.errors import SourceError
-from stability.postmortem import analyze, load_csv, load_run_dir, run
+from stability.postmortem import analyze, default_outputs, load_csv, load_run_dir, run
 from stability.records import StepRecord, encode
 from stability.report import render_html, render_text
 from stability.transport._spool import Spool
@@ -105,9 +106,14 @@ def test_analyze_json_shape_and_reports(tmp_path: Path) -> None:
     text = render_text(result)
     assert "loss_spike" in text and "bad_batch" in text and "rollback step: 299" in text
     page = (tmp_path / "out.html").read_text()
-    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "<style>" in page
-    assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "") and "https://" not in page
-    assert "<script" not in page and "src=" not in page
+    assert page.startswith("<!DOCTYPE html>") and "<style>" in page
+    # self-contained: plotly.js and the data are inlined, nothing is fetched (no src/href to any resource)
+    assert re.findall(r"<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)\s*=", page) == []
+    assert "Plotly.newPlot" in page and 'id="stability-data"' in page and len(page) > 1_000_000
+    data = json.loads(page.split('id="stability-data">', 1)[1].split("</script>", 1)[0])
+    assert data["incidents"][0]["onset"] == 300 and data["incidents"][0]["rollback"] == 299
+    assert len(data["overview"]["series"]["loss"][0]) == 400 and "grad_norm" in data["overview"]["series"]
+    assert "batch-300, batch-301, batch-302" in page and "resume from the last checkpoint at or before step 299" in page
 
 
 def test_json_is_strict_with_nonfinite_values() -> None:
@@ -177,3 +183,15 @@ def test_multi_rank_csv_with_hosts_names_the_faulty_rank_in_json_text_and_html(t
     text = render_text(result)
     assert "(rank 2, host node-2)" in text and "hardware_fault" in text
     assert "2, host node-2" in (tmp_path / "dp.html").read_text()
+
+
+def test_default_outputs_sit_next_to_the_source_or_in_the_output_directory(tmp_path: Path) -> None:
+    csv_path = write(tmp_path, "step,loss\n0,1\n", "megatron-log.csv")
+    assert default_outputs(csv_path) == (tmp_path / "megatron-log.findings.json", tmp_path / "megatron-log.report.html")
+    assert default_outputs(csv_path, tmp_path / "out") == (tmp_path / "out" / "megatron-log.findings.json",
+                                                         tmp_path / "out" / "megatron-log.report.html")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert default_outputs(run_dir) == (run_dir / "findings.json", run_dir / "report.html")
+    out = tmp_path / "o"
+    assert default_outputs(run_dir, out) == (out / "findings.json", out / "report.html")

@@ -79,8 +79,10 @@ def _payload(result: PostmortemResult, records: Sequence[StepRecord]) -> dict[st
     incidents = [{"n": i + 1, "onset": e["onset"], "end": e["end"] if e["end"] is not None else e["step"],
                   "step": e["step"], "rollback": e["rollback_step"], "kind": e["kind"], "severity": e["severity"],
                   "rank": e["rank"], "color": _COLORS.get(e["severity"], "#6b7280")} for i, e in enumerate(events)]
+    others = list(dict.fromkeys(e["rank"] for e in events if e["rank"] != shown_rank and e["severity"] != "info"))
     return {
         "overview": _data.overview(records, shown_rank),
+        "other_ranks": [_data.overview(records, rank) for rank in others[:4]],
         "incidents": incidents,
         "details": {str(i + 1): _incident_data(records, result, i, available) for i in _detailed(events)},
     }
@@ -142,8 +144,10 @@ function stacked(id, rows, incidents, title){
   Plotly.newPlot(el, data, layout, CFG);
 }
 function line(name, xy, extra){ return Object.assign({name:name, x:xy[0], y:xy[1], connectgaps:false}, extra || {}); }
-function overviewRows(o){
+function overviewRows(o, others){
   const s = o.series, rows = [];
+  const extra = (name, color) => others.filter(r => r.series[name]).map(r => line('rank ' + r.rank + ' ' + name,
+    r.series[name], {line:{width:1.2, dash:'dot'}}));
   if (s.loss){
     const t = [line('loss', s.loss, {line:{color:'#93c5fd', width:1}})];
     if (s.loss_smoothed) t.push(line('loss, smoothed (' + o.smooth_window + ' steps)', s.loss_smoothed,
@@ -153,11 +157,12 @@ function overviewRows(o){
       t.push({name:'non-finite loss', x:o.nonfinite_loss, y:o.nonfinite_loss.map(() => top), mode:'markers',
               marker:{symbol:'x', color:'#dc2626', size:9}});
     }
-    rows.push({title:'loss', log: positive(s.loss[1]), traces:t});
+    rows.push({title:'loss', log: positive(s.loss[1]), traces:t.concat(extra('loss'))});
   }
   if (s.lr) rows.push({title:'learning rate', log:false, traces:[line('lr', s.lr, {line:{color:'#059669'}})]});
   if (s.grad_norm) rows.push({title:'grad norm (pre-clip)', log: positive(s.grad_norm[1]),
-                              traces:[line('grad norm', s.grad_norm, {line:{color:'#7c3aed'}})]});
+                              traces:[line('grad norm', s.grad_norm, {line:{color:'#7c3aed'}})]
+                                .concat(extra('grad_norm'))});
   if (s.loss_scale || o.skipped){
     const t = [];
     if (s.loss_scale) t.push(line('loss scale', s.loss_scale, {line:{color:'#0891b2'}, line_shape:'hv'}));
@@ -183,8 +188,9 @@ function heat(id, hm, inc){
 }
 function render(){
   if (typeof Plotly === 'undefined') return;
-  stacked('overview', overviewRows(D.overview), D.incidents,
-          'rank ' + D.overview.rank + ' - drag to zoom, double-click to reset');
+  const ranks = [D.overview.rank].concat(D.other_ranks.map(r => r.rank)).join(', ');
+  stacked('overview', overviewRows(D.overview, D.other_ranks), D.incidents,
+          'rank ' + ranks + ' - drag to zoom, double-click to reset');
   for (const [n, det] of Object.entries(D.details)){
     const inc = D.incidents[Number(n) - 1];
     const rows = Object.entries(det.window.series).map(([name, xy]) => ({title:name, log:positive(xy[1]),
@@ -274,7 +280,7 @@ def _events_table(events: list[dict[str, Any]]) -> str:
     esc = html.escape
     rows = "".join(
         f'<tr><td>{i}</td><td class="{e["severity"]}">{e["severity"]}</td><td>{esc(e["kind"])}</td>'
-        f'<td>{e["rank"]}{esc(", " + e["host"]) if e.get("host") else ""}</td><td>{e["onset"]}</td>'
+        f'<td>{e["rank"]}{esc(", host " + e["host"]) if e.get("host") else ""}</td><td>{e["onset"]}</td>'
         f'<td>{e["step"]}</td><td>{cell(e["end"])}</td>'
         f'<td>{esc(e["causes"][0]["cause"]) if e["causes"] else "unknown"}</td><td>{cell(e["rollback_step"])}</td>'
         f'<td>{esc(e["message"])}</td></tr>' for i, e in enumerate(events, start=1))

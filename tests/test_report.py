@@ -1,0 +1,123 @@
+"""The HTML report of a real CPU training run with an LR spike, opened in a real headless Chromium: the page loads
+offline, every plot renders (plotly's SVG in the DOM), and the browser logs no uncaught error."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from stability.config import WatchConfig
+from stability.hooks.capture import Capture
+from stability.postmortem import analyze, write_outputs
+from stability.records import StepRecord
+from stability.report import _data, render_html
+from stability.testing import ListSink
+
+STEPS, FAULT = 160, 100
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@pytest.fixture(scope="module")
+def spiked_run() -> list[StepRecord]:
+    from stability.demo import train
+
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="report-run", stats_every=10), sink).attach()
+    try:
+        train(steps=STEPS, fault="lr-spike", fault_step=FAULT)
+    finally:
+        capture.close()
+    assert len(sink.records) == STEPS
+    return list(sink.records)
+
+
+def _browser(html: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    binary = _chromium()
+    if binary is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium; `make test` installs it)")
+    return subprocess.run(
+        [binary, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+         "--virtual-time-budget=15000", "--window-size=1300,2400", *args, html.as_uri()],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+
+
+def test_report_renders_in_headless_chromium_without_errors(spiked_run: list[StepRecord], tmp_path: Path) -> None:
+    result = analyze(spiked_run, "report-run", meta={"host": "test-host"})
+    serious = [e for e in result.events if e["severity"] != "info"]
+    assert serious and FAULT <= serious[0]["onset"] <= FAULT + 3, result.events
+    html = tmp_path / "report.html"
+    write_outputs(result, spiked_run, html_out=html)
+    proc = _browser(html, "--dump-dom")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "Uncaught" in line or ":ERROR:CONSOLE" in line]
+    assert errors == [], errors
+    dom = proc.stdout
+    # the overview, one evidence plot per detailed incident and the heat maps were drawn by plotly
+    plots = 1 + len(serious[:20]) + dom.count('id="heat-')
+    assert dom.count('class="plot js-plotly-plot"') == plots, re.findall(r'<div class="plot[^>]*>', dom)
+    assert dom.count('class="main-svg"') >= plots
+    assert dom.count('class="hm"') == dom.count('id="heat-') >= 2  # grad norm and update ratio heat maps
+    assert dom.count("trace scatter") >= 5
+    # axis titles are real text in the SVG
+    for title in ("loss", "learning rate", "grad norm (pre-clip)", "step"):
+        assert f">{title}</text>" in dom, title
+
+
+def test_screenshot_is_drawn(spiked_run: list[StepRecord], tmp_path: Path) -> None:
+    html = tmp_path / "report.html"
+    write_outputs(analyze(spiked_run, "report-run"), spiked_run, html_out=html)
+    shot = tmp_path / "shot.png"
+    proc = _browser(html, f"--screenshot={shot}")
+    assert proc.returncode == 0 and shot.stat().st_size > 50_000, proc.stderr[-2000:]
+
+
+def test_heatmap_orders_layers_by_which_moved_first() -> None:
+    records = []
+    for step in range(100):
+        signals = {"loss": 2.0, "grad_norm/a": 1.0 + 0.01 * (step % 3), "grad_norm/b": 1.0 + 0.01 * (step % 5),
+                   "grad_norm/c": 1.0 + 0.01 * (step % 4)}
+        if step >= 60:
+            signals["grad_norm/c"] *= 30.0  # c moves two steps before b
+        if step >= 62:
+            signals["grad_norm/b"] *= 30.0
+        records.append(StepRecord(run_id="r", step=step, signals=signals))
+    hm = _data.heatmap(records, {"rank": 0, "onset": 62, "end": 70, "step": 62}, "grad_norm")
+    assert hm is not None
+    assert hm["layers"][:2] == ["c", "b"] and hm["first"] == {"layer": "c", "step": 60, "z": hm["first"]["z"]}
+    assert hm["first"]["z"] > 50
+
+
+def test_long_runs_are_thinned_but_keep_every_spike() -> None:
+    steps = list(range(100_000))
+    values = [1.0 + 0.001 * math.sin(s) for s in steps]
+    values[54_321] = 1000.0
+    values[77_777] = math.nan
+    records = [StepRecord(run_id="r", step=s, signals={"loss": v}) for s, v in zip(steps, values, strict=True)]
+    data = _data.overview(records, 0)
+    xs, ys = data["series"]["loss"]
+    assert len(xs) <= _data.MAX_POINTS + 2 and 54_321 in xs and max(y for y in ys if y is not None) == 1000.0
+    assert data["nonfinite_loss"] == [77_777]
+    json.dumps(data, allow_nan=False)  # strict JSON: non-finite values are gaps
+
+
+def test_empty_skip_list_is_not_called_a_list() -> None:
+    records = [StepRecord(run_id="r", step=s, signals={"loss": 3.0 * (1.0 + 0.01 * (s % 7)) * (8.0 if s == 150 else 1)})
+               for s in range(300)]
+    result = analyze(records, "r")
+    page = render_html(result, records)
+    assert result.events and result.events[0]["causes"][0]["cause"] == "bad_batch"
+    assert "Skip the listed batches" not in page and "none recorded" in page
