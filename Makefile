@@ -2,12 +2,12 @@
 PY ?= python3
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: demo test install lint redis-server bench
+.PHONY: demo test install lint redis-server chromium bench
 
 demo: install
 	$(PY) -m stability.cli demo
 
-test: install redis-server
+test: install redis-server chromium
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest
@@ -24,6 +24,11 @@ install: .install.stamp
 redis-server:
 	@test -x /usr/bin/redis-server || (apt-get update -qq && apt-get install -y -qq redis-server)
 
+# The report test opens report.html in a real headless Chromium (skipped, with the reason, when none is installed).
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq chromium)
+
 lint:
 	$(PY) -m ruff check .
 	$(PY) -m mypy
@@ -34,3 +39,4 @@ bench: install
 	$(PY) bench/bench_encoding.py
 	$(PY) bench/bench_transport.py
 	$(PY) bench/bench_drain.py
+	OMP_NUM_THREADS=1 $(PY) bench/bench_alert_latency.py

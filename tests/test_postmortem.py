@@ -113,7 +113,7 @@ def test_analyze_json_shape_and_reports(tmp_path: Path) -> None:
     data = json.loads(page.split('id="stability-data">', 1)[1].split("</script>", 1)[0])
     assert data["incidents"][0]["onset"] == 300 and data["incidents"][0]["rollback"] == 299
     assert len(data["overview"]["series"]["loss"][0]) == 400 and "grad_norm" in data["overview"]["series"]
-    assert "batch-300, batch-301, batch-302" in page and "resume from the last checkpoint at or before step 299" in page
+    assert "batch-300, batch-301, batch-302" in page and "Resume from the last checkpoint at or before step 299" in page
 
 
 def test_json_is_strict_with_nonfinite_values() -> None:

@@ -149,9 +149,9 @@ function overviewRows(o, others){
   const extra = (name, color) => others.filter(r => r.series[name]).map(r => line('rank ' + r.rank + ' ' + name,
     r.series[name], {line:{width:1.2, dash:'dot'}}));
   if (s.loss){
-    const t = [line('loss', s.loss, {line:{color:'#93c5fd', width:1}})];
+    const t = [line('loss', s.loss, {line:{color:'#60a5fa', width:1.2}})];
     if (s.loss_smoothed) t.push(line('loss, smoothed (' + o.smooth_window + ' steps)', s.loss_smoothed,
-                                      {line:{color:'#1d4ed8', width:2}}));
+                                      {line:{color:'#1e3a8a', width:1.6}}));
     if (o.nonfinite_loss && o.nonfinite_loss.length){
       const fin = s.loss[1].filter(v => v !== null), top = fin.length ? Math.max(...fin) : 1;
       t.push({name:'non-finite loss', x:o.nonfinite_loss, y:o.nonfinite_loss.map(() => top), mode:'markers',

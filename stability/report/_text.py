@@ -28,8 +28,8 @@ def rollback_words(event: dict[str, Any]) -> str:
     """The rollback advice of an event in words."""
     step = event.get("rollback_step")
     if step is None:
-        return "no rollback step: the records show no precursor before the onset"
-    return (f"resume from the last checkpoint at or before step {step} (the last step before the earliest "
+        return "No rollback step: the records show no precursor before the onset"
+    return (f"Resume from the last checkpoint at or before step {step} (the last step before the earliest "
             f"precursor; the onset was step {event['onset']})")
 
 
