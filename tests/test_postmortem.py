@@ -195,3 +195,26 @@ def test_default_outputs_sit_next_to_the_source_or_in_the_output_directory(tmp_p
     assert default_outputs(run_dir) == (run_dir / "findings.json", run_dir / "report.html")
     out = tmp_path / "o"
     assert default_outputs(run_dir, out) == (out / "findings.json", out / "report.html")
+
+
+def test_the_worker_report_sink_writes_findings_and_report_next_to_the_archive(tmp_path: Path) -> None:
+    from stability.worker.sinks import ReportSink
+
+    run_dir = tmp_path / "demo"
+    _archive(run_dir, range(0, 100))
+    (run_dir / "run.json").write_text(json.dumps({"run_id": "demo", "torch": "2.13.0", "world_size": 1}))
+    ReportSink(lambda run_id: {"run_dir": str(run_dir)}).close("demo")
+    findings = json.loads((run_dir / "findings.json").read_text())
+    assert findings["run_id"] == "demo" and findings["steps"] == 100 and findings["meta"]["torch"] == "2.13.0"
+    assert "Plotly.newPlot" in (run_dir / "report.html").read_text()
+    # the run directory is on another machine: the files go next to the archive in STABILITY_ARCHIVE_DIR
+    base = tmp_path / "archives"
+    _archive(base / "remote-run", range(0, 50))
+    (base / "remote-run" / "archive").rename(base / "tmp")
+    (base / "remote-run").rmdir()
+    (base / "tmp").rename(base / "remote-run")
+    ReportSink(lambda run_id: {"run_dir": "/nonexistent/remote-run"}, archive_dir=base).close("remote-run")
+    assert json.loads((base / "remote-run" / "findings.json").read_text())["steps"] == 50
+    assert (base / "remote-run" / "report.html").exists()
+    # nothing archived: nothing written, nothing raised
+    ReportSink(lambda run_id: {}).close("unknown")

@@ -253,6 +253,8 @@ class ReportSink:
 
         meta = dict(self._meta(run_id))
         directory = archive_directory(meta, self._base, run_id)
+        if meta.get("run_dir") and Path(meta["run_dir"]).is_dir():
+            meta = {**postmortem.load_run_meta(meta["run_dir"]), **meta}
         if directory is None or not any(directory.glob("*.parquet")):
             logger.info("%s: no archive on this host; no report written", run_id)
             return
