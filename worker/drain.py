@@ -9,7 +9,8 @@ call:
    claims entries left pending by consumers of other names (``XAUTOCLAIM``, idle >= one lease);
 3. loops: reads a batch per rank, its own pending entries first (a previous drain that died before acking),
    else new ones; feeds them to the detectors merged in stream-id order (each rank stays in step order); sends
-   findings and records to the sinks; then in ONE ``MULTI/EXEC`` (guarded by ``WATCH`` on the lease) saves the
+   findings and records to the sinks (a background thread renews the lease meanwhile, so a batch slower than one
+   lease is not given up and re-done forever); then in ONE ``MULTI/EXEC`` (guarded by ``WATCH`` on the lease) saves the
    detector state, XACKs the batch and records rejected entries. A worker killed anywhere before ``EXEC`` leaves
    the entries pending and the old state, so the next drain re-processes the batch from the same state and the
    idempotent sinks absorb the repeat;
@@ -173,14 +174,16 @@ class Drainer:
             self._renew(token)
             ranks = self._ranks()
             ended = self._all_ended(ranks)  # read before the batch: an emitter marks the end after its last XADD
-            batch = self._read_batch(ranks, diag)
+            with self._lease_kept(token):  # a slow batch (busy CPU, many signals) must not lose the lease midway
+                batch = self._read_batch(ranks, diag)
+                if batch.acks:
+                    for sink in self.sinks:
+                        sink.emit(self.run_id, batch.findings, batch.entries)
             if not batch.acks:
                 if ended:
                     result.findings += self._finish(token, diag)
                     result.status = "drained"
                 return result
-            for sink in self.sinks:
-                sink.emit(self.run_id, batch.findings, batch.entries)
             self._commit(token, diag, batch)
             result.processed += sum(len(ids) for ids in batch.acks.values())
             result.rejected += len(batch.rejects)
