@@ -91,6 +91,7 @@ from stability.config import WatchConfig
 from stability.errors import RecordError
 from stability.hooks import stats, torch_patches
 from stability.hooks.layout import ParamLayout, build_layout, optimizer_params
+from stability.hooks.rhythm import BLIND_AFTER, Rhythm
 from stability.hooks.schedules import every
 from stability.hooks.staging import ABSENT, Reader, RecordSink, StagedStep, stage
 from stability.records import MAX_ID_CHARS, MAX_NAME_CHARS
@@ -158,6 +159,8 @@ class _StepState:
     parts: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
     host: dict[str, float] = field(default_factory=dict)
     grads_measured: bool = False
+    grad_parts: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
+    """Gradient statistics, kept apart so a later measurement of the same step replaces them."""
     lr_recorded: bool = False
     scaler: Any = None
     snapshot: list[torch.Tensor] | None = None
@@ -220,6 +223,9 @@ class Capture:
         self._own_grad_norm = True
         self._param_stats = True
         self._own_loss = True
+        self._rhythm = Rhythm()
+        self._backward_calls = 0
+        self._warned_blind = False
 
     # ----------------------------------------------------------------------------------------------- public API
 
@@ -348,9 +354,12 @@ class Capture:
             logger.warning("stability: capture flush timed out after %.1f s", timeout)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Remove every hook and patch, then flush; idempotent. The step in progress, if any, is not recorded."""
+        """Remove every hook and patch, then flush; idempotent. The step in progress, if any, is not recorded,
+        except in a loop without an optimizer, whose last step has no later boundary: it is recorded if it had a
+        ``backward()``."""
         if self._closed:
             return
+        self._close_pending()
         self._closed = True
         if self._attached:
             torch_patches.unsubscribe(self)
@@ -382,6 +391,46 @@ class Capture:
                 loss = loss.to(torch.float32) / scale.to(loss.device, non_blocking=True)
             self._state.scaler = scaled[1]
         self._state.losses.append(loss.to(torch.float32).mean())  # a new tensor: later in-place edits don't leak
+        if self._manual():
+            self._after_manual_backward()
+
+    @_hook
+    def before_backward(self, tensor: torch.Tensor) -> None:
+        """A ``backward()`` starts: with no optimizer, the step in progress may have ended (rhythm rules)."""
+        self._backward_calls += 1
+        if not self._manual():
+            if self._backward_calls == BLIND_AFTER and self._step == 0:
+                logger.warning(
+                    "stability: nothing recorded after %d backward() calls: %s",
+                    BLIND_AFTER,
+                    f"adapter {self._framework} never ended a step" if self._framework is not None
+                    else f"{type(self._optimizer).__name__}.step() never completed",
+                )
+            return
+        rhythm = self._rhythm
+        if rhythm.blind():
+            self._go_blind()
+            return
+        reason = rhythm.boundary_at_backward()
+        if reason is not None:
+            self._close_manual(reason, grads_intact=reason == "update")
+
+    @_hook
+    def before_zero_grad(self, module: torch.nn.Module) -> None:
+        """``module.zero_grad()`` starts: with no optimizer, it ends the step in progress (gradients intact)."""
+        if self._manual() and self._rhythm.boundary_at_zero_grad(module):
+            self._close_manual("zero_grad", grads_intact=True)
+
+    @_hook
+    def after_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """``clip_grad_norm_`` returned: with no optimizer, the update comes next."""
+        if self._manual():
+            self._rhythm.after_clip()
+
+    @_hook
+    def _close_pending(self) -> None:
+        if self._manual() and self._rhythm.confirmed and self._rhythm.backwards > 0:
+            self._close_manual("close", grads_intact=True)
 
     @_hook
     def on_scale(self, scaler: Any, output: torch.Tensor) -> None:
@@ -535,10 +584,120 @@ class Capture:
     def _live(self) -> bool:
         return self._attached and not self._closed and not self._disabled
 
+    def _manual(self) -> bool:
+        """True while step boundaries come from the backward rhythm: no optimizer stepped, no adapter drives."""
+        return self._optimizer is None and self._framework is None
+
+    def _after_manual_backward(self) -> None:
+        rhythm = self._rhythm
+        if not rhythm.params and not rhythm.confirmed and rhythm.backwards == 0 and self._step == 0:
+            rhythm.watch(self._grad_params())
+        rhythm.after_backward()
+        if not rhythm.confirmed or self._layout is None:
+            return
+        state = self._state
+        if rhythm.eager:
+            self._measure_grads()
+        layout = self._layout
+        if (
+            state.snapshot is None
+            and self._stats_due(self._step)
+            and layout.total_bytes <= self.config.update_ratio_max_bytes
+        ):
+            state.snapshot = [p.detach().clone() for p in layout.params]
+
+    def _grad_params(self) -> list[torch.Tensor]:
+        """The model found by gradients: parameters (requiring grad) of the outermost modules that ran forward
+        and hold a parameter with a gradient."""
+        modules = [m for ref in self._candidates.values() if (m := ref()) is not None]
+        if self._roots:
+            modules = list(self._roots)
+        with_grads = [m for m in modules if any(p.grad is not None for p in m.parameters())]
+        roots = [r for r in with_grads if not any(o is not r and any(x is r for x in o.modules()) for o in with_grads)]
+        seen: set[int] = set()
+        params: list[torch.Tensor] = []
+        for root in roots:
+            for p in root.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params
+
+    def _close_manual(self, reason: str, *, grads_intact: bool) -> None:
+        """End the step in progress of a loop without an optimizer (see :mod:`stability.hooks.rhythm`)."""
+        rhythm, state = self._rhythm, self._state
+        if not rhythm.confirmed:
+            rhythm.confirmed = True
+            if rhythm.params:
+                self._ensure_layout(rhythm.params)
+            self._announce(None, reason)
+        if reason == "reset" and not state.grads_measured and rhythm.params:
+            rhythm.eager = True  # the loop clears gradients itself: measure after every backward() from now on
+            logger.info("stability: gradients are cleared by the loop itself; measuring them after each backward()")
+        if grads_intact and not state.grads_measured and self._layout is not None:
+            self._measure_grads()
+        rhythm.step_closed()
+        self._finish_step(None, skipped=None)
+
+    def _go_blind(self) -> None:
+        """No step boundary in :data:`BLIND_AFTER` backward() calls: drop them; each backward() is a step now."""
+        rhythm = self._rhythm
+        rhythm.per_backward = True
+        rhythm.eager = bool(rhythm.params)
+        rhythm.step_closed()
+        self._state = _StepState(batch=self._state.batch)
+        if not self._warned_blind:
+            self._warned_blind = True
+            logger.warning(
+                "stability: nothing recorded after %d backward() calls: no optimizer stepped and no step boundary "
+                "was visible (no zero_grad(), clip_grad_norm_() or gradient reset stability can see); they were "
+                "dropped and from now on each backward() is recorded as one step",
+                BLIND_AFTER,
+            )
+        if not rhythm.confirmed:
+            rhythm.confirmed = True
+            if rhythm.params:
+                self._ensure_layout(rhythm.params)
+            self._announce(None, "backward")
+
+    def _announce(self, optimizer: torch.optim.Optimizer | None, boundary: str = "") -> None:
+        """Say once per mode what the capture can and cannot see."""
+        layout = self._layout
+        if layout is None or not layout.params:
+            logger.warning(
+                "stability: capturing loss only: no module whose parameters received gradients was found (raw "
+                "tensors?), so no gradient or parameter statistics; %s",
+                f"steps from {type(optimizer).__name__}.step()" if optimizer is not None
+                else "no optimizer seen: each backward() is one step; no lr (pass it with handle.observe('lr', lr))",
+            )
+            return
+        model = ", ".join(type(r).__name__ for r in self._roots) or "(not found)"
+        numel = sum(p.numel() for p in layout.params)
+        size = f"{numel / 1e6:.1f}M" if numel >= 100_000 else f"{numel / 1e3:.1f}k"
+        seen = ["loss", "grad_norm" if self._own_grad_norm else "", "nonfinite_grads" if self._own_grad_norm else ""]
+        if self.config.layer_every:
+            seen.append("per-layer grads")
+        if self.config.stats_every and self._param_stats:
+            seen.append(f"param norms / update ratios every {self.config.stats_every} steps")
+        if optimizer is not None:
+            seen.insert(1, "lr")
+            tail = f"steps from {type(optimizer).__name__}.step()"
+        else:
+            tail = (
+                "no optimizer seen: step boundaries from the backward/zero_grad/clip rhythm (first boundary: "
+                f"{boundary}), micro-batch losses summed; no lr (pass it with handle.observe('lr', lr))"
+            )
+        logger.info(
+            "stability: capturing model %s (%d modules, %s params): %s; %s",
+            model, len(layout.modules), size, ", ".join(x for x in seen if x), tail,
+        )
+
     def _adopt(self, optimizer: torch.optim.Optimizer) -> bool:
         """True if ``optimizer`` is the tracked one; the first optimizer to step becomes the tracked one."""
         if self._optimizer is None:
             self._optimizer = optimizer
+            if self._rhythm.confirmed:
+                logger.info("stability: optimizer %s now steps; it sets the step boundaries", type(optimizer).__name__)
         if optimizer is self._optimizer:
             return True
         if id(optimizer) not in self._ignored:
@@ -578,20 +737,21 @@ class Capture:
         wanted = optimizer_params(optimizer) if optimizer is not None else params
         if not self._roots:
             self._roots = self._discover_roots({id(p) for p in wanted or []})
+        previous = self._layout
         self._layout = build_layout(self._roots, wanted)
         self._layout_has_optimizer = optimizer is not None
+        snapshot = self._state.snapshot
+        if previous is not None and snapshot is not None and (
+            len(snapshot) != len(self._layout.params)
+            or any(a is not b for a, b in zip(previous.params, self._layout.params, strict=False))
+        ):
+            self._state.snapshot = None  # taken for another parameter list
         for handle in self._discovery:
             handle.remove()
         self._discovery = []
         self._candidates.clear()
         if optimizer is not None:
-            logger.info(
-                "stability: tracking %s with model %s: %d parameter tensors in %d modules",
-                type(optimizer).__name__,
-                ", ".join(type(r).__name__ for r in self._roots) or "(not found)",
-                len(self._layout.params),
-                len(self._layout.modules),
-            )
+            self._announce(optimizer)
 
     def _discover_roots(self, param_ids: set[int]) -> list[torch.nn.Module]:
         modules = [m for ref in self._candidates.values() if (m := ref()) is not None]
@@ -613,6 +773,7 @@ class Capture:
         assert layout is not None
         state = self._state
         state.grads_measured = True
+        state.grad_parts = []
         layer_due = layers and self._layer_due(self._step) and bool(layout.modules)
         if not self._own_grad_norm and not layer_due:
             return
@@ -620,11 +781,11 @@ class Capture:
         grads = [p.grad for p in layout.params] if given is None else given
         norms = stats.tensor_norms(grads, device)
         if self._own_grad_norm:
-            state.parts.append((["grad_norm"], torch.linalg.vector_norm(norms).reshape(1)))
-            state.parts.append((["nonfinite_grads"], stats.nonfinite_count(grads, device).reshape(1)))
+            state.grad_parts.append((["grad_norm"], torch.linalg.vector_norm(norms).reshape(1)))
+            state.grad_parts.append((["nonfinite_grads"], stats.nonfinite_count(grads, device).reshape(1)))
         if layer_due:
             per_module = stats.segment_sum(norms.square(), layout.index(device), len(layout.modules)).sqrt()
-            state.parts.append((layout.names("grad_norm"), per_module))
+            state.grad_parts.append((layout.names("grad_norm"), per_module))
 
     def _finish_step(self, optimizer: torch.optim.Optimizer | None, skipped: float | None) -> None:
         """Complete the step: sampled statistics, loss, scaler signals; stage the record; prepare the next step."""
@@ -697,11 +858,16 @@ class Capture:
     def _loss_and_scaler(
         self, optimizer: torch.optim.Optimizer | None, state: _StepState, skipped: float | None
     ) -> None:
+        framework = bool(state.framework_losses)
         own = state.framework_losses or (state.losses if self._own_loss else [])
         if own:
             device = own[0].device
-            losses = [x.to(device, non_blocking=True) for x in own]
-            state.parts.append((["loss"], torch.stack(losses).mean().reshape(1)))
+            losses = torch.stack([x.to(device, non_blocking=True) for x in own])
+            # a framework's micro-batch losses are not divided by the accumulation steps: their mean is the loss;
+            # the tensors a plain loop calls backward() on are (nanoGPT, HF: loss / accumulation steps): their sum
+            total = losses.mean() if framework or len(own) == 1 else losses.sum()
+            state.parts.append((["loss"], total.reshape(1)))
+            state.host["micro_batches"] = float(len(own))
         call = self._scaler_call
         scaler = call[0] if call is not None else state.scaler
         if scaler is None or not getattr(scaler, "_enabled", False):
@@ -725,6 +891,7 @@ class Capture:
 
     def _submit(self, state: _StepState, step: int) -> None:
         assert self._reader is not None
+        state.parts[:0] = state.grad_parts
         _observed_win(state)
         rank, coords, host = self._metadata()
         staged = StagedStep(

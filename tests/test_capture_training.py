@@ -94,8 +94,10 @@ def test_auto_mode_plain_loop_records_loss_lr_and_grad_norms_before_clipping():
     assert all(a.wall_time <= b.wall_time for a, b in itertools.pairwise(records))
 
 
-def test_gradient_accumulation_gives_one_record_per_optimizer_step_with_the_mean_loss():
-    """The recorded loss is the mean of the tensors backward() ran on, here ``micro_loss / 4``."""
+@pytest.mark.parametrize("accum", [1, 4])
+def test_gradient_accumulation_records_the_true_loss_and_the_micro_batch_count(accum):
+    """nanoGPT / HF style: each micro-batch loss is divided by the accumulation steps before ``backward()``. The
+    record's ``loss`` is the sum of the tensors backward() ran on, i.e. the mean micro-batch loss (not loss / 4)."""
     model = make_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sink = ListSink()
@@ -103,20 +105,46 @@ def test_gradient_accumulation_gives_one_record_per_optimizer_step_with_the_mean
     want = []
     try:
         for step in range(3):
-            backward_values = []
-            for micro in range(4):
-                loss = lm_loss(model, tokens(100 * step + micro)) / 4
-                backward_values.append(loss.item())
-                loss.backward()
-            want.append(sum(backward_values) / 4)
+            true_losses = []
+            for micro in range(accum):
+                loss = lm_loss(model, tokens(100 * step + micro))
+                true_losses.append(loss.item())
+                (loss / accum).backward()
+            want.append(sum(true_losses) / accum)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=True)
     finally:
         capture.close()
     records = sink.records
+    assert capture.errors == 0
     assert [r.step for r in records] == [0, 1, 2]
     assert [r.get("loss") for r in records] == pytest.approx(want, rel=1e-6)
+    assert [r.get("micro_batches") for r in records] == [accum] * 3
     assert not per_module(records[0], "grad_norm")  # layer_every=0
+
+
+def test_framework_micro_batch_losses_keep_their_mean():
+    """Adapters pass undivided micro-batch losses (``observe_loss``): their mean is the step's loss."""
+    model = make_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="fw", stats_every=0, layer_every=0), sink).attach()
+    capture.use_framework("test")
+    try:
+        losses = []
+        for micro in range(4):
+            loss = lm_loss(model, tokens(micro))
+            capture.observe_loss(loss)
+            losses.append(loss.item())
+            (loss / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    finally:
+        capture.close()
+    (record,) = sink.records
+    assert record.get("loss") == pytest.approx(sum(losses) / 4, rel=1e-6)
+    assert record.get("micro_batches") == 4
 
 
 def test_grad_scaler_on_cpu_unscales_the_loss_and_records_scale_and_skipped_steps():
