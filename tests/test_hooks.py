@@ -52,6 +52,7 @@ def originals() -> dict[str, object]:
         "utils.clip_grad_norm_": torch.nn.utils.clip_grad_norm_,
         "GradScaler.scale": vars(torch.amp.GradScaler)["scale"],
         "GradScaler.step": vars(torch.amp.GradScaler)["step"],
+        "Module.zero_grad": vars(nn.Module)["zero_grad"],
     }
 
 
@@ -410,6 +411,31 @@ def test_hooks_never_read_tensor_values_on_the_training_thread(monkeypatch):
     records = sink.records
     assert len(records) == 4 and records[2].get("skipped") == 1.0
     assert "act_rms/h.0.attn.c_attn" in records[1].signals and "logit_z" in records[1].signals
+
+
+def test_rhythm_inference_of_a_loop_without_optimizer_reads_no_tensor_value(monkeypatch):
+    """Loops without an optimizer: boundaries come from ``_version`` counters and ``grad is None`` checks only, and
+    gradients measured after every backward (a loop clearing them itself) stay on the device too."""
+    violations = trap_host_reads(monkeypatch)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="nosync-hand", stats_every=1), sink).attach()
+    model = tiny_gpt(return_dict=True)
+    for step in range(4):
+        data = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(step))
+        for _micro in range(2):
+            logits = model(data[:, :-1])["logits"]
+            (F.cross_entropy(logits.reshape(-1, VOCAB), data[:, 1:].reshape(-1)) / 2).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+    capture.close()
+    assert violations == [] and capture.errors == 0
+    records = sink.records
+    assert [r.step for r in records] == [0, 1, 2, 3]
+    assert [r.get("micro_batches") for r in records] == [2, 2, 2, 2]
+    assert all(math.isfinite(r.get("grad_norm")) for r in records[1:])
+    assert "update_ratio/h.0.attn.c_attn" in records[2].signals
 
 
 def test_the_host_read_trap_catches_a_syncing_hook(monkeypatch):
