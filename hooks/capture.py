@@ -687,7 +687,9 @@ class Capture:
                 "no optimizer seen: step boundaries from the backward/zero_grad/clip rhythm (first boundary: "
                 f"{boundary}), micro-batch losses summed; no lr (pass it with handle.observe('lr', lr))"
             )
-        logger.info(
+        # without an optimizer the capture sees less (no lr, inferred boundaries): said at WARNING, shown by default
+        logger.log(
+            logging.INFO if optimizer is not None else logging.WARNING,
             "stability: capturing model %s (%d modules, %s params): %s; %s",
             model, len(layout.modules), size, ", ".join(x for x in seen if x), tail,
         )
