@@ -9,10 +9,9 @@
 
 What is recorded (names as in :mod:`stability.records`):
 
-* every step: ``loss`` (mean over the micro-batches of the tensors ``backward()`` was called on; a loss scaled by
-  ``GradScaler.scale`` is divided by the scale again), ``lr`` (``param_groups[0]``), ``grad_norm`` (global L2
-  norm before clipping) and ``nonfinite_grads``; with a ``GradScaler`` also ``loss_scale`` and ``skipped``;
-  ``grad_norm/<module>`` every ``config.layer_every`` steps;
+* every step: ``loss`` and ``micro_batches`` (see *The loss rule* below), ``lr`` (``param_groups[0]``; none
+  without an optimizer), ``grad_norm`` (global L2 norm before clipping) and ``nonfinite_grads``; with a
+  ``GradScaler`` also ``loss_scale`` and ``skipped``; ``grad_norm/<module>`` every ``config.layer_every`` steps;
 * every ``config.stats_every`` steps: ``param_norm/<module>``, ``update_ratio/<module>`` (‖Δw‖/‖w before the step‖,
   when the parameters fit ``config.update_ratio_max_bytes``), ``adam_v_ratio/<module>`` (Σg² / Σv̂ of the module's
   parameters with an ``exp_avg_sq`` state, v̂ = Adam's bias-corrected second moment *before* the step: ~1 when
@@ -24,6 +23,25 @@ What is recorded (names as in :mod:`stability.records`):
 
 Steps are 0-based: the first optimizer step is record step 0, and :attr:`Capture.step` counts the steps seen.
 A step ``GradScaler`` skipped is a step too (``skipped=1``).
+
+The loss rule: ``micro_batches`` is the number of tensors ``backward()`` was called on in the step (a loss scaled
+by ``GradScaler.scale`` is divided by the scale again). With one, ``loss`` is its mean. With several (gradient
+accumulation), ``loss`` is their **sum**: scripts that accumulate divide each micro-batch loss by the number of
+micro-batches before ``backward()`` (nanoGPT, HF ``Trainer``, Lightning), so the sum is the step's true mean loss,
+where a mean would read true_loss / N. Losses passed by a framework adapter (:meth:`Capture.observe_loss`) are not
+divided: ``loss`` is their mean, and ``micro_batches`` their count. ``observe("loss", ...)`` overrides both rules.
+
+Loops without an optimizer (hand-written updates such as pytorch/examples ``word_language_model``): until an
+optimizer steps, step boundaries are inferred from the ``backward()`` / ``clip_grad_norm_`` / ``zero_grad()`` /
+gradient-reset rhythm (rules in :mod:`stability.hooks.rhythm`), the model is the module whose parameters received
+gradients, gradients are measured before clipping or before ``zero_grad()`` clears them (or after each
+``backward()`` when the loop clears them itself), parameter snapshots for update ratios are taken after a sampled
+step's first ``backward()``, and there is no ``lr`` unless the loop passes it (``observe("lr", lr)``). The first
+step of such a loop has no update ratio (it ends before the loop is known to have no optimizer), and when steps
+end at the next ``backward()`` the activation statistics of a sampled step may include the next forward pass.
+:meth:`close` records the last step. An optimizer that steps later takes over the boundaries. The capture logs
+once what it found (INFO with an optimizer; WARNING without one, which names what it cannot see), and warns
+when :data:`~stability.hooks.rhythm.BLIND_AFTER` ``backward()`` calls passed with nothing recorded.
 
 Auto mode (``attach()``): ``torch.Tensor.backward``/``torch.autograd.backward`` are patched for the loss (see
 :mod:`stability.hooks.torch_patches`); global optimizer step hooks follow the *first* optimizer that steps, and
