@@ -109,7 +109,7 @@ from stability.config import WatchConfig
 from stability.errors import RecordError
 from stability.hooks import stats, torch_patches
 from stability.hooks.layout import ParamLayout, build_layout, optimizer_params
-from stability.hooks.rhythm import BLIND_AFTER, Rhythm
+from stability.hooks.rhythm import BLIND_AFTER, Rhythm, model_params
 from stability.hooks.schedules import every
 from stability.hooks.staging import ABSENT, Reader, RecordSink, StagedStep, stage
 from stability.records import MAX_ID_CHARS, MAX_NAME_CHARS
@@ -609,7 +609,8 @@ class Capture:
     def _after_manual_backward(self) -> None:
         rhythm = self._rhythm
         if not rhythm.params and not rhythm.confirmed and rhythm.backwards == 0 and self._step == 0:
-            rhythm.watch(self._grad_params())
+            modules = list(self._roots) or [m for ref in self._candidates.values() if (m := ref()) is not None]
+            rhythm.watch(model_params(modules))
         rhythm.after_backward()
         if not rhythm.confirmed or self._layout is None:
             return
@@ -623,23 +624,6 @@ class Capture:
             and layout.total_bytes <= self.config.update_ratio_max_bytes
         ):
             state.snapshot = [p.detach().clone() for p in layout.params]
-
-    def _grad_params(self) -> list[torch.Tensor]:
-        """The model found by gradients: parameters (requiring grad) of the outermost modules that ran forward
-        and hold a parameter with a gradient."""
-        modules = [m for ref in self._candidates.values() if (m := ref()) is not None]
-        if self._roots:
-            modules = list(self._roots)
-        with_grads = [m for m in modules if any(p.grad is not None for p in m.parameters())]
-        roots = [r for r in with_grads if not any(o is not r and any(x is r for x in o.modules()) for o in with_grads)]
-        seen: set[int] = set()
-        params: list[torch.Tensor] = []
-        for root in roots:
-            for p in root.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        return params
 
     def _close_manual(self, reason: str, *, grads_intact: bool) -> None:
         """End the step in progress of a loop without an optimizer (see :mod:`stability.hooks.rhythm`)."""

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BLIND_AFTER", "Rhythm"]
+__all__ = ["BLIND_AFTER", "Rhythm", "model_params"]
 
 BLIND_AFTER = 256
 """``backward()`` calls without any visible step boundary after which each ``backward()`` is taken as one step."""
@@ -110,6 +110,21 @@ class Rhythm:
     def _mark(self) -> None:
         self._grad_marks = [_grad_mark(p) for p in self.params]
         self._param_marks = [p._version for p in self.params]
+
+
+def model_params(modules: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+    """The model found by gradients: the parameters (requiring grad) of the outermost ``modules`` holding a
+    parameter with a gradient, without duplicates."""
+    with_grads = [m for m in modules if any(p.grad is not None for p in m.parameters())]
+    roots = [r for r in with_grads if not any(o is not r and any(x is r for x in o.modules()) for o in with_grads)]
+    seen: set[int] = set()
+    params: list[torch.Tensor] = []
+    for root in roots:
+        for p in root.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params
 
 
 def _grad_mark(p: torch.Tensor) -> tuple[int, int] | None:
