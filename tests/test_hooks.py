@@ -472,3 +472,34 @@ def test_one_cuda_training_step_has_no_sync_in_hooks():
     capture.close()
     assert capture.errors == 0 and len(sink) == 2
     assert math.isfinite(sink.records[1].get("grad_norm"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the CPU stand-in is the rhythm test above")
+def test_a_cuda_loop_without_optimizer_has_no_sync_in_hooks():
+    """Hand-written SGD that clears gradients itself (measured after every backward) under sync debug mode."""
+    model = tiny_gpt().cuda()
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="cuda-hand", stats_every=1), sink).attach()
+    data = torch.randint(0, VOCAB, (2, 9), device="cuda")
+
+    def train_step() -> None:
+        for _micro in range(2):
+            (F.cross_entropy(model(data[:, :-1]).reshape(-1, VOCAB), data[:, 1:].reshape(-1)) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+
+    for _ in range(2):  # warm-up: the first steps find the model, the rhythm and the layout index
+        train_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        train_step()
+        train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    capture.close()
+    assert capture.errors == 0 and len(sink) == 4
+    assert all(math.isfinite(r.get("grad_norm")) for r in sink.records)
