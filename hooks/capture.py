@@ -188,6 +188,11 @@ class _StepState:
     observed: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     observed_host: dict[str, float] = field(default_factory=dict)
     framework_losses: list[torch.Tensor] = field(default_factory=list)
+    next_batch: str | None = None
+    """A batch id set after a ``backward()`` of this step, before it was known to end."""
+    forward_marks: tuple[dict[str, int], int] | None = None
+    """Activation / logit entries at the last ``backward()`` (loops without an optimizer: later entries belong to
+    the next step when this one ends at the next ``backward()``)."""
 
 
 class Capture:
@@ -536,7 +541,11 @@ class Capture:
 
     @_hook
     def _set_batch(self, batch_id: str | int) -> None:
-        self._state.batch = str(batch_id)[:MAX_ID_CHARS]
+        batch = str(batch_id)[:MAX_ID_CHARS]
+        if self._manual() and self._rhythm.backwards > 0:  # may be the next step's (see _close_manual)
+            self._state.next_batch = batch
+        else:
+            self._state.batch = batch
 
     @_hook
     def _use_framework(
@@ -612,9 +621,10 @@ class Capture:
             modules = list(self._roots) or [m for ref in self._candidates.values() if (m := ref()) is not None]
             rhythm.watch(model_params(modules))
         rhythm.after_backward()
+        state = self._state
+        state.forward_marks = ({n: len(v) for n, v in state.acts.items()}, len(state.logit_z))
         if not rhythm.confirmed or self._layout is None:
             return
-        state = self._state
         if rhythm.eager:
             self._measure_grads()
         layout = self._layout
@@ -639,7 +649,15 @@ class Capture:
         if grads_intact and not state.grads_measured and self._layout is not None:
             self._measure_grads()
         rhythm.step_closed()
+        carried: tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]] = ({}, [])
+        next_batch = None
+        if reason not in ("zero_grad", "close"):  # ends at the next backward(): the next forward already ran
+            rhythm.late = True
+            carried = _forward_tail(state)
+            next_batch, state.next_batch = state.next_batch, None
         self._finish_step(None, skipped=None)
+        self._state.acts, self._state.logit_z = carried
+        self._state.batch = next_batch
 
     def _go_blind(self) -> None:
         """No step boundary in :data:`BLIND_AFTER` backward() calls: drop them; each backward() is a step now."""
@@ -905,7 +923,7 @@ class Capture:
             wall_time=time.time(),
             host=host,
             coords=coords,
-            batch=state.batch,
+            batch=state.batch if state.batch is not None else state.next_batch,
             host_signals=state.host,
         )
         stage(state.parts, staged)
@@ -916,7 +934,10 @@ class Capture:
         for handle in self._step_hooks:
             handle.remove()
         self._step_hooks = []
-        if not self._live() or not self._roots or not self._stats_due(self._step):
+        due = self._stats_due(self._step)
+        if self._manual() and self._rhythm.late:  # the next step's forward runs before this step ends
+            due = due or self._stats_due(self._step + 1)
+        if not self._live() or not self._roots or not due:
             return
         layout = self._layout or build_layout(self._roots, None)
         for name, module in layout.activation_modules(self.config.max_act_modules):
@@ -942,6 +963,22 @@ class Capture:
         if count >= MAX_ERRORS and not self._disabled:
             self._disabled = True
             logger.warning("stability: %d errors in capture hooks; capture disabled for the rest of the run", count)
+
+
+def _forward_tail(state: _StepState) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]]:
+    """Remove and return the activation / logit entries recorded after the step's last ``backward()``."""
+    acts_at, logits_at = state.forward_marks if state.forward_marks is not None else ({}, 0)
+    tail: dict[str, list[torch.Tensor]] = {}
+    for name, values in list(state.acts.items()):
+        keep = acts_at.get(name, 0)
+        if len(values) > keep:
+            tail[name] = values[keep:]
+            del values[keep:]
+            if not values:
+                del state.acts[name]
+    logits = state.logit_z[logits_at:]
+    del state.logit_z[logits_at:]
+    return tail, logits
 
 
 def _observed_win(state: _StepState) -> None:

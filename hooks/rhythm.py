@@ -56,6 +56,9 @@ class Rhythm:
         self.backwards = 0
         """``backward()`` calls in the step in progress."""
         self.clipped = False
+        self.late = False
+        """Steps end at the next ``backward()``, after the next step's forward pass (activation hooks go on a step
+        early, and what they record after the last ``backward()`` moves to the next step)."""
         self._ids: frozenset[int] = frozenset()
         self._grad_marks: list[tuple[int, int] | None] = []
         self._param_marks: list[int] = []

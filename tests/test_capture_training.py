@@ -554,3 +554,35 @@ def test_raw_tensor_loop_records_the_loss_of_each_backward_and_says_so(caplog):
     assert [r.get("loss") for r in sink.records] == pytest.approx(losses, rel=1e-6)
     assert all("grad_norm" not in r.signals for r in sink.records)
     assert sum("capturing loss only" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_steps_ending_at_the_next_backward_keep_their_own_activations_and_batch_ids():
+    """In a loop whose steps end at the next ``backward()`` (gradients set to None, no zero_grad/clip), the next
+    step's forward pass and ``set_batch`` run before the step in progress is known to end: they go to the next step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="late", stats_every=2, max_act_modules=8), sink).attach()
+    outputs: dict[int, float] = {}
+    mine = model[0].register_forward_hook(lambda m, a, o: outputs.__setitem__(step, float(o.detach().abs().max())))
+    try:
+        for step in range(7):
+            capture.set_batch(f"b{step}")
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step)) * (1 + step)
+            model(x).square().mean().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.001 * p.grad
+                    p.grad = None
+    finally:
+        capture.close()
+        mine.remove()
+    assert capture.errors == 0
+    records = sink.records
+    assert [r.step for r in records] == list(range(7))
+    assert [r.batch for r in records] == [f"b{s}" for s in range(7)]
+    for record in records[1:]:
+        sampled = record.step % 2 == 0
+        assert ("act_absmax/0" in record.signals) == sampled, record.step
+        if sampled:
+            assert record.get("act_absmax/0") == pytest.approx(outputs[record.step], rel=1e-6)
