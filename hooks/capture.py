@@ -37,11 +37,12 @@ gradient-reset rhythm (rules in :mod:`stability.hooks.rhythm`), the model is the
 gradients, gradients are measured before clipping or before ``zero_grad()`` clears them (or after each
 ``backward()`` when the loop clears them itself), parameter snapshots for update ratios are taken after a sampled
 step's first ``backward()``, and there is no ``lr`` unless the loop passes it (``observe("lr", lr)``). The first
-step of such a loop has no update ratio (it ends before the loop is known to have no optimizer), and when steps
-end at the next ``backward()`` the activation statistics of a sampled step may include the next forward pass.
-:meth:`close` records the last step. An optimizer that steps later takes over the boundaries. The capture logs
-once what it found (INFO with an optimizer; WARNING without one, which names what it cannot see), and warns
-when :data:`~stability.hooks.rhythm.BLIND_AFTER` ``backward()`` calls passed with nothing recorded.
+step of such a loop has no update ratio (it ends before the loop is known to have no optimizer). When steps end
+at the next ``backward()``, the forward pass, activations, logits and ``set_batch`` seen after a step's last
+``backward()`` belong to the next step (activation hooks go on a step early). :meth:`close` records the last
+step. An optimizer that steps later takes over the boundaries. The capture logs once what it found (INFO with
+an optimizer; WARNING without one, which names what it cannot see), and warns when
+:data:`~stability.hooks.rhythm.BLIND_AFTER` ``backward()`` calls passed with nothing recorded.
 
 Auto mode (``attach()``): ``torch.Tensor.backward``/``torch.autograd.backward`` are patched for the loss (see
 :mod:`stability.hooks.torch_patches`); global optimizer step hooks follow the *first* optimizer that steps, and
