@@ -38,7 +38,7 @@ class Script:
 
 
 WORD_LM = Script("word_lm.py", 300)
-NANOGPT = Script("nanogpt.py", 200)
+NANOGPT = Script("nanogpt.py", 150)
 NN_TUTORIAL = Script("nn_tutorial.py", 300)
 EXPECTED = {  # fault -> (kind, top cause, onset slack after the injection step)
     "lr": ("loss_spike", "lr_too_high", 3),  # the x100 LR acts through the update: the loss jumps one step later

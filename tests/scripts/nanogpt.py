@@ -8,7 +8,7 @@ Re-created from the public repository for stability's tests, not copied. nanoGPT
 licence, Copyright (c) 2022 Andrej Karpathy. The data are a synthetic token stream (a seeded Markov chain,
 generated here) instead of a tokenized corpus on disk, and the model is tiny so the script runs on a CPU.
 
-    python tests/scripts/nanogpt.py --steps 200 --fault none|lr|nan|batch [--loss-log losses.txt]
+    python tests/scripts/nanogpt.py --steps 150 --fault none|lr|nan|batch [--loss-log losses.txt]
 
 The fault is injected at iteration ``--fault-step`` (default 60 % of ``--steps``): ``lr`` multiplies the learning
 rate by 100 from then on, ``nan`` poisons the token-embedding row of one input token, ``batch`` makes every
@@ -168,7 +168,7 @@ class GPT(nn.Module):
 
 def parse_args():
     parser = argparse.ArgumentParser(description="tiny nanoGPT-style training")
-    parser.add_argument("--steps", type=int, default=200, help="max_iters")
+    parser.add_argument("--steps", type=int, default=150, help="max_iters")
     parser.add_argument("--fault", choices=["none", "lr", "nan", "batch"], default="none")
     parser.add_argument("--fault-step", type=int, default=None)
     parser.add_argument("--loss-log", default=None)
