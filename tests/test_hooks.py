@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from stability.config import WatchConfig
 from stability.errors import ConfigError
 from stability.hooks import capture as capture_module
-from stability.hooks import stats, torch_patches
+from stability.hooks import rhythm, stats, torch_patches
 from stability.hooks.capture import MAX_ERRORS, Capture, in_hook
 from stability.hooks.layout import build_layout
 from stability.hooks.schedules import every, never
@@ -159,6 +159,50 @@ def test_activation_modules_are_spread_over_depth():
     assert [n for n, _ in layout.activation_modules(3)] == ["0", "4", "9"]
     assert len(layout.activation_modules(100)) == 10
     assert layout.activation_modules(0) == []
+
+
+# ----------------------------------------------------------------------------------------------------- rhythm
+
+
+def test_rhythm_names_each_boundary_from_python_level_traces_only():
+    model = nn.Linear(3, 1)
+    other = nn.Linear(3, 1)
+
+    def backward() -> None:
+        model(torch.ones(2, 3)).sum().backward()
+
+    r = rhythm.Rhythm()
+    r.watch(list(model.parameters()))
+    assert r.boundary_at_backward() is None  # nothing in progress
+    backward()
+    r.after_backward()
+    assert r.boundary_at_backward() is None  # a second backward() is accumulation
+    assert not r.boundary_at_zero_grad(other) and r.boundary_at_zero_grad(model)
+    r.after_clip()
+    assert r.boundary_at_backward() == "clip"
+    r.step_closed()
+    for clear, reason in ((lambda p: setattr(p, "grad", None), "reset"), (lambda p: p.grad.zero_(), "reset"),
+                          (lambda p: p.data.add_(1.0), None), (lambda p: p.add_(1.0), "update")):
+        backward()
+        r.after_backward()
+        with torch.no_grad():
+            clear(model.weight)
+        assert r.boundary_at_backward() == reason
+        r.step_closed()
+    assert not r.blind()
+    r.backwards = rhythm.BLIND_AFTER
+    assert r.blind()
+    unwatched = rhythm.Rhythm()
+    unwatched.after_backward()
+    assert unwatched.boundary_at_backward() == "backward"  # no model known: one backward() per step
+
+
+def test_model_params_are_those_of_the_outermost_modules_with_gradients():
+    inner, frozen = nn.Linear(2, 2), nn.Linear(2, 2)
+    outer = nn.Sequential(inner, nn.Linear(2, 1))
+    outer[1].bias.requires_grad_(False)
+    outer(torch.ones(1, 2)).sum().backward()
+    assert rhythm.model_params([inner, frozen, outer]) == [inner.weight, inner.bias, outer[1].weight]
 
 
 # ------------------------------------------------------------------------------------ attach / close / patches
