@@ -9,10 +9,9 @@
 
 What is recorded (names as in :mod:`stability.records`):
 
-* every step: ``loss`` (mean over the micro-batches of the tensors ``backward()`` was called on; a loss scaled by
-  ``GradScaler.scale`` is divided by the scale again), ``lr`` (``param_groups[0]``), ``grad_norm`` (global L2
-  norm before clipping) and ``nonfinite_grads``; with a ``GradScaler`` also ``loss_scale`` and ``skipped``;
-  ``grad_norm/<module>`` every ``config.layer_every`` steps;
+* every step: ``loss`` and ``micro_batches`` (see *The loss rule* below), ``lr`` (``param_groups[0]``; none
+  without an optimizer), ``grad_norm`` (global L2 norm before clipping) and ``nonfinite_grads``; with a
+  ``GradScaler`` also ``loss_scale`` and ``skipped``; ``grad_norm/<module>`` every ``config.layer_every`` steps;
 * every ``config.stats_every`` steps: ``param_norm/<module>``, ``update_ratio/<module>`` (‖Δw‖/‖w before the step‖,
   when the parameters fit ``config.update_ratio_max_bytes``), ``adam_v_ratio/<module>`` (Σg² / Σv̂ of the module's
   parameters with an ``exp_avg_sq`` state, v̂ = Adam's bias-corrected second moment *before* the step: ~1 when
@@ -24,6 +23,26 @@ What is recorded (names as in :mod:`stability.records`):
 
 Steps are 0-based: the first optimizer step is record step 0, and :attr:`Capture.step` counts the steps seen.
 A step ``GradScaler`` skipped is a step too (``skipped=1``).
+
+The loss rule: ``micro_batches`` is the number of tensors ``backward()`` was called on in the step (a loss scaled
+by ``GradScaler.scale`` is divided by the scale again). With one, ``loss`` is its mean. With several (gradient
+accumulation), ``loss`` is their **sum**: scripts that accumulate divide each micro-batch loss by the number of
+micro-batches before ``backward()`` (nanoGPT, HF ``Trainer``, Lightning), so the sum is the step's true mean loss,
+where a mean would read true_loss / N. Losses passed by a framework adapter (:meth:`Capture.observe_loss`) are not
+divided: ``loss`` is their mean, and ``micro_batches`` their count. ``observe("loss", ...)`` overrides both rules.
+
+Loops without an optimizer (hand-written updates such as pytorch/examples ``word_language_model``): until an
+optimizer steps, step boundaries are inferred from the ``backward()`` / ``clip_grad_norm_`` / ``zero_grad()`` /
+gradient-reset rhythm (rules in :mod:`stability.hooks.rhythm`), the model is the module whose parameters received
+gradients, gradients are measured before clipping or before ``zero_grad()`` clears them (or after each
+``backward()`` when the loop clears them itself), parameter snapshots for update ratios are taken after a sampled
+step's first ``backward()``, and there is no ``lr`` unless the loop passes it (``observe("lr", lr)``). The first
+step of such a loop has no update ratio (it ends before the loop is known to have no optimizer). When steps end
+at the next ``backward()``, the forward pass, activations, logits and ``set_batch`` seen after a step's last
+``backward()`` belong to the next step (activation hooks go on a step early). :meth:`close` records the last
+step. An optimizer that steps later takes over the boundaries. The capture logs once what it found (INFO with
+an optimizer; WARNING without one, which names what it cannot see), and warns when
+:data:`~stability.hooks.rhythm.BLIND_AFTER` ``backward()`` calls passed with nothing recorded.
 
 Auto mode (``attach()``): ``torch.Tensor.backward``/``torch.autograd.backward`` are patched for the loss (see
 :mod:`stability.hooks.torch_patches`); global optimizer step hooks follow the *first* optimizer that steps, and
@@ -91,6 +110,7 @@ from stability.config import WatchConfig
 from stability.errors import RecordError
 from stability.hooks import stats, torch_patches
 from stability.hooks.layout import ParamLayout, build_layout, optimizer_params
+from stability.hooks.rhythm import BLIND_AFTER, Rhythm, model_params
 from stability.hooks.schedules import every
 from stability.hooks.staging import ABSENT, Reader, RecordSink, StagedStep, stage
 from stability.records import MAX_ID_CHARS, MAX_NAME_CHARS
@@ -158,6 +178,8 @@ class _StepState:
     parts: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
     host: dict[str, float] = field(default_factory=dict)
     grads_measured: bool = False
+    grad_parts: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
+    """Gradient statistics, kept apart so a later measurement of the same step replaces them."""
     lr_recorded: bool = False
     scaler: Any = None
     snapshot: list[torch.Tensor] | None = None
@@ -167,6 +189,11 @@ class _StepState:
     observed: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     observed_host: dict[str, float] = field(default_factory=dict)
     framework_losses: list[torch.Tensor] = field(default_factory=list)
+    next_batch: str | None = None
+    """A batch id set after a ``backward()`` of this step, before it was known to end."""
+    forward_marks: tuple[dict[str, int], int] | None = None
+    """Activation / logit entries at the last ``backward()`` (loops without an optimizer: later entries belong to
+    the next step when this one ends at the next ``backward()``)."""
 
 
 class Capture:
@@ -220,6 +247,9 @@ class Capture:
         self._own_grad_norm = True
         self._param_stats = True
         self._own_loss = True
+        self._rhythm = Rhythm()
+        self._backward_calls = 0
+        self._warned_blind = False
 
     # ----------------------------------------------------------------------------------------------- public API
 
@@ -348,9 +378,12 @@ class Capture:
             logger.warning("stability: capture flush timed out after %.1f s", timeout)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Remove every hook and patch, then flush; idempotent. The step in progress, if any, is not recorded."""
+        """Remove every hook and patch, then flush; idempotent. The step in progress, if any, is not recorded,
+        except in a loop without an optimizer, whose last step has no later boundary: it is recorded if it had a
+        ``backward()``."""
         if self._closed:
             return
+        self._close_pending()
         self._closed = True
         if self._attached:
             torch_patches.unsubscribe(self)
@@ -382,6 +415,46 @@ class Capture:
                 loss = loss.to(torch.float32) / scale.to(loss.device, non_blocking=True)
             self._state.scaler = scaled[1]
         self._state.losses.append(loss.to(torch.float32).mean())  # a new tensor: later in-place edits don't leak
+        if self._manual():
+            self._after_manual_backward()
+
+    @_hook
+    def before_backward(self, tensor: torch.Tensor) -> None:
+        """A ``backward()`` starts: with no optimizer, the step in progress may have ended (rhythm rules)."""
+        self._backward_calls += 1
+        if not self._manual():
+            if self._backward_calls == BLIND_AFTER and self._step == 0:
+                logger.warning(
+                    "stability: nothing recorded after %d backward() calls: %s",
+                    BLIND_AFTER,
+                    f"adapter {self._framework} never ended a step" if self._framework is not None
+                    else f"{type(self._optimizer).__name__}.step() never completed",
+                )
+            return
+        rhythm = self._rhythm
+        if rhythm.blind():
+            self._go_blind()
+            return
+        reason = rhythm.boundary_at_backward()
+        if reason is not None:
+            self._close_manual(reason, grads_intact=reason == "update")
+
+    @_hook
+    def before_zero_grad(self, module: torch.nn.Module) -> None:
+        """``module.zero_grad()`` starts: with no optimizer, it ends the step in progress (gradients intact)."""
+        if self._manual() and self._rhythm.boundary_at_zero_grad(module):
+            self._close_manual("zero_grad", grads_intact=True)
+
+    @_hook
+    def after_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """``clip_grad_norm_`` returned: with no optimizer, the update comes next."""
+        if self._manual():
+            self._rhythm.after_clip()
+
+    @_hook
+    def _close_pending(self) -> None:
+        if self._manual() and self._rhythm.confirmed and self._rhythm.backwards > 0:
+            self._close_manual("close", grads_intact=True)
 
     @_hook
     def on_scale(self, scaler: Any, output: torch.Tensor) -> None:
@@ -469,7 +542,11 @@ class Capture:
 
     @_hook
     def _set_batch(self, batch_id: str | int) -> None:
-        self._state.batch = str(batch_id)[:MAX_ID_CHARS]
+        batch = str(batch_id)[:MAX_ID_CHARS]
+        if self._manual() and self._rhythm.backwards > 0:  # may be the next step's (see _close_manual)
+            self._state.next_batch = batch
+        else:
+            self._state.batch = batch
 
     @_hook
     def _use_framework(
@@ -535,10 +612,115 @@ class Capture:
     def _live(self) -> bool:
         return self._attached and not self._closed and not self._disabled
 
+    def _manual(self) -> bool:
+        """True while step boundaries come from the backward rhythm: no optimizer stepped, no adapter drives."""
+        return self._optimizer is None and self._framework is None
+
+    def _after_manual_backward(self) -> None:
+        rhythm = self._rhythm
+        if not rhythm.params and not rhythm.confirmed and rhythm.backwards == 0 and self._step == 0:
+            modules = list(self._roots) or [m for ref in self._candidates.values() if (m := ref()) is not None]
+            rhythm.watch(model_params(modules))
+        rhythm.after_backward()
+        state = self._state
+        state.forward_marks = ({n: len(v) for n, v in state.acts.items()}, len(state.logit_z))
+        if not rhythm.confirmed or self._layout is None:
+            return
+        if rhythm.eager:
+            self._measure_grads()
+        layout = self._layout
+        if (
+            state.snapshot is None
+            and self._stats_due(self._step)
+            and layout.total_bytes <= self.config.update_ratio_max_bytes
+        ):
+            state.snapshot = [p.detach().clone() for p in layout.params]
+
+    def _close_manual(self, reason: str, *, grads_intact: bool) -> None:
+        """End the step in progress of a loop without an optimizer (see :mod:`stability.hooks.rhythm`)."""
+        rhythm, state = self._rhythm, self._state
+        if not rhythm.confirmed:
+            rhythm.confirmed = True
+            if rhythm.params:
+                self._ensure_layout(rhythm.params)
+            self._announce(None, reason)
+        if reason == "reset" and not state.grads_measured and rhythm.params:
+            rhythm.eager = True  # the loop clears gradients itself: measure after every backward() from now on
+            logger.info("stability: gradients are cleared by the loop itself; measuring them after each backward()")
+        if grads_intact and not state.grads_measured and self._layout is not None:
+            self._measure_grads()
+        rhythm.step_closed()
+        carried: tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]] = ({}, [])
+        next_batch = None
+        if reason not in ("zero_grad", "close"):  # ends at the next backward(): the next forward already ran
+            rhythm.late = True
+            carried = _forward_tail(state)
+            next_batch, state.next_batch = state.next_batch, None
+        self._finish_step(None, skipped=None)
+        self._state.acts, self._state.logit_z = carried
+        self._state.batch = next_batch
+
+    def _go_blind(self) -> None:
+        """No step boundary in :data:`BLIND_AFTER` backward() calls: drop them; each backward() is a step now."""
+        rhythm = self._rhythm
+        rhythm.per_backward = True
+        rhythm.eager = bool(rhythm.params)
+        rhythm.step_closed()
+        self._state = _StepState(batch=self._state.batch)
+        if not self._warned_blind:
+            self._warned_blind = True
+            logger.warning(
+                "stability: nothing recorded after %d backward() calls: no optimizer stepped and no step boundary "
+                "was visible (no zero_grad(), clip_grad_norm_() or gradient reset stability can see); they were "
+                "dropped and from now on each backward() is recorded as one step",
+                BLIND_AFTER,
+            )
+        if not rhythm.confirmed:
+            rhythm.confirmed = True
+            if rhythm.params:
+                self._ensure_layout(rhythm.params)
+            self._announce(None, "backward")
+
+    def _announce(self, optimizer: torch.optim.Optimizer | None, boundary: str = "") -> None:
+        """Say once per mode what the capture can and cannot see."""
+        layout = self._layout
+        if layout is None or not layout.params:
+            logger.warning(
+                "stability: capturing loss only: no module whose parameters received gradients was found (raw "
+                "tensors?), so no gradient or parameter statistics; %s",
+                f"steps from {type(optimizer).__name__}.step()" if optimizer is not None
+                else "no optimizer seen: each backward() is one step; no lr (pass it with handle.observe('lr', lr))",
+            )
+            return
+        model = ", ".join(type(r).__name__ for r in self._roots) or "(not found)"
+        numel = sum(p.numel() for p in layout.params)
+        size = f"{numel / 1e6:.1f}M" if numel >= 100_000 else f"{numel / 1e3:.1f}k"
+        seen = ["loss", "grad_norm" if self._own_grad_norm else "", "nonfinite_grads" if self._own_grad_norm else ""]
+        if self.config.layer_every:
+            seen.append("per-layer grads")
+        if self.config.stats_every and self._param_stats:
+            seen.append(f"param norms / update ratios every {self.config.stats_every} steps")
+        if optimizer is not None:
+            seen.insert(1, "lr")
+            tail = f"steps from {type(optimizer).__name__}.step()"
+        else:
+            tail = (
+                "no optimizer seen: step boundaries from the backward/zero_grad/clip rhythm (first boundary: "
+                f"{boundary}), micro-batch losses summed; no lr (pass it with handle.observe('lr', lr))"
+            )
+        # without an optimizer the capture sees less (no lr, inferred boundaries): said at WARNING, shown by default
+        logger.log(
+            logging.INFO if optimizer is not None else logging.WARNING,
+            "stability: capturing model %s (%d modules, %s params): %s; %s",
+            model, len(layout.modules), size, ", ".join(x for x in seen if x), tail,
+        )
+
     def _adopt(self, optimizer: torch.optim.Optimizer) -> bool:
         """True if ``optimizer`` is the tracked one; the first optimizer to step becomes the tracked one."""
         if self._optimizer is None:
             self._optimizer = optimizer
+            if self._rhythm.confirmed:
+                logger.info("stability: optimizer %s now steps; it sets the step boundaries", type(optimizer).__name__)
         if optimizer is self._optimizer:
             return True
         if id(optimizer) not in self._ignored:
@@ -578,20 +760,21 @@ class Capture:
         wanted = optimizer_params(optimizer) if optimizer is not None else params
         if not self._roots:
             self._roots = self._discover_roots({id(p) for p in wanted or []})
+        previous = self._layout
         self._layout = build_layout(self._roots, wanted)
         self._layout_has_optimizer = optimizer is not None
+        snapshot = self._state.snapshot
+        if previous is not None and snapshot is not None and (
+            len(snapshot) != len(self._layout.params)
+            or any(a is not b for a, b in zip(previous.params, self._layout.params, strict=False))
+        ):
+            self._state.snapshot = None  # taken for another parameter list
         for handle in self._discovery:
             handle.remove()
         self._discovery = []
         self._candidates.clear()
         if optimizer is not None:
-            logger.info(
-                "stability: tracking %s with model %s: %d parameter tensors in %d modules",
-                type(optimizer).__name__,
-                ", ".join(type(r).__name__ for r in self._roots) or "(not found)",
-                len(self._layout.params),
-                len(self._layout.modules),
-            )
+            self._announce(optimizer)
 
     def _discover_roots(self, param_ids: set[int]) -> list[torch.nn.Module]:
         modules = [m for ref in self._candidates.values() if (m := ref()) is not None]
@@ -613,6 +796,7 @@ class Capture:
         assert layout is not None
         state = self._state
         state.grads_measured = True
+        state.grad_parts = []
         layer_due = layers and self._layer_due(self._step) and bool(layout.modules)
         if not self._own_grad_norm and not layer_due:
             return
@@ -620,11 +804,11 @@ class Capture:
         grads = [p.grad for p in layout.params] if given is None else given
         norms = stats.tensor_norms(grads, device)
         if self._own_grad_norm:
-            state.parts.append((["grad_norm"], torch.linalg.vector_norm(norms).reshape(1)))
-            state.parts.append((["nonfinite_grads"], stats.nonfinite_count(grads, device).reshape(1)))
+            state.grad_parts.append((["grad_norm"], torch.linalg.vector_norm(norms).reshape(1)))
+            state.grad_parts.append((["nonfinite_grads"], stats.nonfinite_count(grads, device).reshape(1)))
         if layer_due:
             per_module = stats.segment_sum(norms.square(), layout.index(device), len(layout.modules)).sqrt()
-            state.parts.append((layout.names("grad_norm"), per_module))
+            state.grad_parts.append((layout.names("grad_norm"), per_module))
 
     def _finish_step(self, optimizer: torch.optim.Optimizer | None, skipped: float | None) -> None:
         """Complete the step: sampled statistics, loss, scaler signals; stage the record; prepare the next step."""
@@ -697,11 +881,16 @@ class Capture:
     def _loss_and_scaler(
         self, optimizer: torch.optim.Optimizer | None, state: _StepState, skipped: float | None
     ) -> None:
+        framework = bool(state.framework_losses)
         own = state.framework_losses or (state.losses if self._own_loss else [])
         if own:
             device = own[0].device
-            losses = [x.to(device, non_blocking=True) for x in own]
-            state.parts.append((["loss"], torch.stack(losses).mean().reshape(1)))
+            losses = torch.stack([x.to(device, non_blocking=True) for x in own])
+            # a framework's micro-batch losses are not divided by the accumulation steps: their mean is the loss;
+            # the tensors a plain loop calls backward() on are (nanoGPT, HF: loss / accumulation steps): their sum
+            total = losses.mean() if framework or len(own) == 1 else losses.sum()
+            state.parts.append((["loss"], total.reshape(1)))
+            state.host["micro_batches"] = float(len(own))
         call = self._scaler_call
         scaler = call[0] if call is not None else state.scaler
         if scaler is None or not getattr(scaler, "_enabled", False):
@@ -725,6 +914,7 @@ class Capture:
 
     def _submit(self, state: _StepState, step: int) -> None:
         assert self._reader is not None
+        state.parts[:0] = state.grad_parts
         _observed_win(state)
         rank, coords, host = self._metadata()
         staged = StagedStep(
@@ -734,7 +924,7 @@ class Capture:
             wall_time=time.time(),
             host=host,
             coords=coords,
-            batch=state.batch,
+            batch=state.batch if state.batch is not None else state.next_batch,
             host_signals=state.host,
         )
         stage(state.parts, staged)
@@ -745,7 +935,10 @@ class Capture:
         for handle in self._step_hooks:
             handle.remove()
         self._step_hooks = []
-        if not self._live() or not self._roots or not self._stats_due(self._step):
+        due = self._stats_due(self._step)
+        if self._manual() and self._rhythm.late:  # the next step's forward runs before this step ends
+            due = due or self._stats_due(self._step + 1)
+        if not self._live() or not self._roots or not due:
             return
         layout = self._layout or build_layout(self._roots, None)
         for name, module in layout.activation_modules(self.config.max_act_modules):
@@ -771,6 +964,22 @@ class Capture:
         if count >= MAX_ERRORS and not self._disabled:
             self._disabled = True
             logger.warning("stability: %d errors in capture hooks; capture disabled for the rest of the run", count)
+
+
+def _forward_tail(state: _StepState) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]]:
+    """Remove and return the activation / logit entries recorded after the step's last ``backward()``."""
+    acts_at, logits_at = state.forward_marks if state.forward_marks is not None else ({}, 0)
+    tail: dict[str, list[torch.Tensor]] = {}
+    for name, values in list(state.acts.items()):
+        keep = acts_at.get(name, 0)
+        if len(values) > keep:
+            tail[name] = values[keep:]
+            del values[keep:]
+            if not values:
+                del state.acts[name]
+    logits = state.logit_z[logits_at:]
+    del state.logit_z[logits_at:]
+    return tail, logits
 
 
 def _observed_win(state: _StepState) -> None:

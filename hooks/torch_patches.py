@@ -4,18 +4,23 @@ Some of what the capture needs has no hook in torch, so a few functions are wrap
 
 * ``torch.Tensor.backward`` and ``torch.autograd.backward``: the tensor ``backward()`` is called on is the loss.
   ``Tensor.backward`` calls ``torch.autograd.backward`` itself; a per-thread depth counter makes one call report
-  once. For ``torch.autograd.backward(tensors=[a, b])`` the first tensor is reported.
+  once. For ``torch.autograd.backward(tensors=[a, b])`` the first tensor is reported. Listeners hear of the call
+  before it runs too (a loop without an optimizer: the step in progress may have ended, see
+  :mod:`stability.hooks.rhythm`).
+* ``torch.nn.Module.zero_grad``: before it runs (the gradients are still there), for loops without an optimizer.
 * ``torch.amp.GradScaler.scale`` (and ``ShardedGradScaler.scale`` when FSDP's module is already imported): which
   tensor is a scaled loss, so the capture can divide the scale out again.
 * ``torch.amp.GradScaler.step``: around the call, so a step the scaler skipped (``optimizer.step()`` never ran,
   so no optimizer hook fired) still produces a record.
 * ``torch.nn.utils.clip_grad_norm_`` (the same function as ``torch.nn.utils.clip_grad.clip_grad_norm_``): gradient
-  statistics are taken *before* clipping. Code that bound the function before the patch (``from torch.nn.utils
-  import clip_grad_norm_`` executed earlier) calls the original; gradients are then measured at the optimizer
-  pre-step hook, i.e. after clipping.
+  statistics are taken *before* clipping; listeners also hear when it returned. Code that bound the function
+  before the patch (``from torch.nn.utils import clip_grad_norm_`` executed earlier) calls the original;
+  gradients are then measured at the optimizer pre-step hook, i.e. after clipping.
 
 The patches are installed when the first :class:`PatchListener` subscribes and removed when the last one
-unsubscribes; the wrappers call the original unchanged and report to the listeners, which must not raise.
+unsubscribes; the wrappers call the original unchanged and report to the listeners, which must not raise. A
+listener lacking one of the optional methods (``before_backward``, ``after_clip``, ``before_zero_grad``) is skipped
+for that event.
 """
 
 from __future__ import annotations
@@ -40,6 +45,15 @@ class PatchListener(Protocol):
 
     def on_backward(self, tensor: torch.Tensor) -> None:
         """``backward()`` returned for ``tensor``."""
+
+    def before_backward(self, tensor: torch.Tensor) -> None:
+        """``backward()`` is about to run for ``tensor`` (optional)."""
+
+    def before_zero_grad(self, module: torch.nn.Module) -> None:
+        """``module.zero_grad()`` is about to run (optional)."""
+
+    def after_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """``clip_grad_norm_(parameters, ...)`` returned (optional)."""
 
     def on_scale(self, scaler: Any, output: torch.Tensor) -> None:
         """``scaler.scale(loss)`` returned ``output``."""
@@ -97,7 +111,9 @@ def installed() -> list[str]:
 def _notify(method: str, *args: Any) -> None:
     for listener in tuple(_listeners):
         try:
-            getattr(listener, method)(*args)
+            call = getattr(listener, method, None)
+            if call is not None:
+                call(*args)
         except Exception:  # a listener must not raise; never let it reach the training loop
             logger.exception("stability: listener %r failed in %s", listener, method)
 
@@ -113,6 +129,7 @@ def _install() -> None:
         (torch.amp.GradScaler, "step", _wrap_scaler_step(torch.amp.GradScaler.step)),
         (clip_module, "clip_grad_norm_", clip),
         (torch.nn.utils, "clip_grad_norm_", clip),
+        (torch.nn.Module, "zero_grad", _wrap_zero_grad(torch.nn.Module.zero_grad)),
     ]
     sharded = sys.modules.get("torch.distributed.fsdp.sharded_grad_scaler")
     if sharded is not None and hasattr(sharded, "ShardedGradScaler"):
@@ -145,15 +162,18 @@ def _wrap_backward(original: Callable[..., Any], *, tensor_first: bool) -> Calla
     @functools.wraps(original)
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         depth = getattr(_depth, "value", 0)
+        loss = None
+        if depth == 0 and _listeners:
+            loss = tensors if tensor_first or isinstance(tensors, torch.Tensor) else _first_tensor(tensors)
+            if isinstance(loss, torch.Tensor):
+                _notify("before_backward", loss)
         _depth.value = depth + 1
         try:
             result = original(tensors, *args, **kwargs)
         finally:
             _depth.value = depth
-        if depth == 0 and _listeners:
-            loss = tensors if tensor_first or isinstance(tensors, torch.Tensor) else _first_tensor(tensors)
-            if isinstance(loss, torch.Tensor):
-                _notify("on_backward", loss)
+        if depth == 0 and _listeners and isinstance(loss, torch.Tensor):
+            _notify("on_backward", loss)
         return result
 
     return backward
@@ -200,6 +220,19 @@ def _wrap_clip(original: Callable[..., Any]) -> Callable[..., Any]:
             if not isinstance(parameters, torch.Tensor):
                 parameters = list(parameters)  # a generator can be consumed only once
             _notify("before_clip", parameters)
-        return original(parameters, *args, **kwargs)
+        result = original(parameters, *args, **kwargs)
+        if _listeners:
+            _notify("after_clip", parameters)
+        return result
 
     return clip_grad_norm_
+
+
+def _wrap_zero_grad(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def zero_grad(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if _listeners:
+            _notify("before_zero_grad", self)
+        return original(self, *args, **kwargs)
+
+    return zero_grad

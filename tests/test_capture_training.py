@@ -4,6 +4,7 @@ computes itself (plain torch: ``get_total_norm``, parameter snapshots, the optim
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import socket
 
@@ -13,6 +14,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from stability.config import WatchConfig
+from stability.hooks import capture as capture_module
+from stability.hooks import rhythm as rhythm_module
 from stability.hooks.capture import Capture
 from stability.testing import ListSink, TinyGPT, TinyGPTConfig
 
@@ -94,8 +97,10 @@ def test_auto_mode_plain_loop_records_loss_lr_and_grad_norms_before_clipping():
     assert all(a.wall_time <= b.wall_time for a, b in itertools.pairwise(records))
 
 
-def test_gradient_accumulation_gives_one_record_per_optimizer_step_with_the_mean_loss():
-    """The recorded loss is the mean of the tensors backward() ran on, here ``micro_loss / 4``."""
+@pytest.mark.parametrize("accum", [1, 4])
+def test_gradient_accumulation_records_the_true_loss_and_the_micro_batch_count(accum):
+    """nanoGPT / HF style: each micro-batch loss is divided by the accumulation steps before ``backward()``. The
+    record's ``loss`` is the sum of the tensors backward() ran on, i.e. the mean micro-batch loss (not loss / 4)."""
     model = make_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sink = ListSink()
@@ -103,20 +108,46 @@ def test_gradient_accumulation_gives_one_record_per_optimizer_step_with_the_mean
     want = []
     try:
         for step in range(3):
-            backward_values = []
-            for micro in range(4):
-                loss = lm_loss(model, tokens(100 * step + micro)) / 4
-                backward_values.append(loss.item())
-                loss.backward()
-            want.append(sum(backward_values) / 4)
+            true_losses = []
+            for micro in range(accum):
+                loss = lm_loss(model, tokens(100 * step + micro))
+                true_losses.append(loss.item())
+                (loss / accum).backward()
+            want.append(sum(true_losses) / accum)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=True)
     finally:
         capture.close()
     records = sink.records
+    assert capture.errors == 0
     assert [r.step for r in records] == [0, 1, 2]
     assert [r.get("loss") for r in records] == pytest.approx(want, rel=1e-6)
+    assert [r.get("micro_batches") for r in records] == [accum] * 3
     assert not per_module(records[0], "grad_norm")  # layer_every=0
+
+
+def test_framework_micro_batch_losses_keep_their_mean():
+    """Adapters pass undivided micro-batch losses (``observe_loss``): their mean is the step's loss."""
+    model = make_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="fw", stats_every=0, layer_every=0), sink).attach()
+    capture.use_framework("test")
+    try:
+        losses = []
+        for micro in range(4):
+            loss = lm_loss(model, tokens(micro))
+            capture.observe_loss(loss)
+            losses.append(loss.item())
+            (loss / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    finally:
+        capture.close()
+    (record,) = sink.records
+    assert record.get("loss") == pytest.approx(sum(losses) / 4, rel=1e-6)
+    assert record.get("micro_batches") == 4
 
 
 def test_grad_scaler_on_cpu_unscales_the_loss_and_records_scale_and_skipped_steps():
@@ -319,3 +350,239 @@ def test_auto_mode_tracks_only_the_first_optimizer_that_steps():
     assert [r.step for r in records] == [0, 1, 2]
     assert [r.get("grad_norm") for r in records] == pytest.approx(norms, rel=1e-5)
     assert set(per_module(records[0], "grad_norm")) == {"root"}  # nn.Linear owns its parameters itself
+
+
+# --------------------------------------------------------------------------- loops without torch.optim (rhythm)
+
+
+class LSTMLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Embedding(VOCAB, 16)
+        self.rnn = nn.LSTM(16, 16)
+        self.decoder = nn.Linear(16, VOCAB)
+
+    def forward(self, x: torch.Tensor, hidden=None):
+        out, hidden = self.rnn(self.encoder(x), hidden)
+        return self.decoder(out), hidden
+
+
+def lstm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.randint(0, VOCAB, (9, 4), generator=torch.Generator().manual_seed(step))
+    return data[:-1], data[1:]
+
+
+def lstm_loss(model: LSTMLM, step: int) -> torch.Tensor:
+    x, y = lstm_batch(step)
+    out, _ = model(x)
+    return F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_hand_sgd_loop_without_optimizer_is_captured_step_by_step(accum, caplog):
+    """word_language_model's loop: ``model.zero_grad()`` first, backward, clip, ``p.data.add_(p.grad, alpha=-lr)``."""
+    torch.manual_seed(0)
+    model = LSTMLM()
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="hand", stats_every=2), sink).attach()
+    want = []
+    with caplog.at_level(logging.INFO, logger="stability.hooks.capture"):
+        try:
+            for step in range(5):
+                model.zero_grad()
+                true_losses = []
+                for micro in range(accum):
+                    loss = lstm_loss(model, 10 * step + micro)
+                    true_losses.append(loss.item())
+                    (loss / accum).backward()
+                grads = by_module(model, lambda p: p.grad)
+                total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+                before = {p: p.detach().clone() for p in model.parameters()}
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                for p in model.parameters():
+                    p.data.add_(p.grad, alpha=-1.0)
+                ratio = by_module(model, lambda p, before=before: p.detach() - before[p])
+                size = by_module(model, lambda p, before=before: before[p])
+                capture.observe("lr", 1.0)
+                want.append((sum(true_losses) / accum, total, grads, {n: ratio[n] / size[n] for n in ratio},
+                             by_module(model, lambda p: p)))
+        finally:
+            capture.close()  # the last step has no later boundary: close() records it
+    assert capture.errors == 0
+    records = sink.records
+    assert [r.step for r in records] == list(range(5))
+    for record, (loss, total, grads, ratios, norms) in zip(records, want, strict=True):
+        assert record.get("loss") == pytest.approx(loss, rel=1e-6)
+        assert record.get("micro_batches") == accum
+        assert total > 0.1 and record.get("grad_norm") == pytest.approx(total, rel=1e-5)  # before clipping
+        assert record.get("nonfinite_grads") == 0
+        assert record.get("lr") == 1.0  # only what the loop observes: there is no optimizer to read it from
+        assert_close(per_module(record, "grad_norm"), grads)
+        if record.step % 2 == 0:
+            assert_close(per_module(record, "param_norm"), norms)
+            if record.step > 0:  # step 0 ends before the loop is known to have no optimizer: no snapshot
+                assert_close(per_module(record, "update_ratio"), ratios, rel=1e-4)
+            assert set(per_module(record, "act_rms")) == {"encoder", "rnn", "decoder"} or record.step == 0
+        else:
+            assert not per_module(record, "param_norm")
+    said = [r.getMessage() for r in caplog.records if "capturing model" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "LSTMLM (3 modules" in said[0] and "no optimizer seen" in said[0] and "no lr" in said[0]
+
+
+@pytest.mark.parametrize("clear", ["set_to_none", "zero_", "module_zero_grad"])
+def test_tensor_level_loops_end_steps_where_gradients_are_cleared(clear):
+    """The tutorial loop: ``p -= lr * p.grad`` under ``no_grad`` then the gradients are cleared (``p.grad = None``,
+    ``p.grad.zero_()`` or ``model.zero_grad(set_to_none=True)``), no clipping, no optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="tensor", stats_every=0), sink).attach()
+    want = []
+    try:
+        for step in range(6):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            loss = F.mse_loss(model(x), x.sum(1, keepdim=True))
+            loss.backward()
+            want.append((loss.item(), torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+            if clear == "module_zero_grad":
+                model.zero_grad(set_to_none=True)
+            for p in model.parameters():
+                if clear == "set_to_none":
+                    p.grad = None
+                elif clear == "zero_":
+                    p.grad.zero_()
+    finally:
+        capture.close()
+    assert capture.errors == 0
+    records = sink.records
+    assert [r.step for r in records] == list(range(6))
+    assert [r.get("loss") for r in records] == pytest.approx([loss for loss, _ in want], rel=1e-6)
+    # a loop that clears gradients itself is recognised at its first step: from then on they are measured after
+    # every backward(); with zero_grad() they are measured before it clears them, from the first step on
+    first = 0 if clear == "module_zero_grad" else 1
+    assert all("grad_norm" not in r.signals for r in records[:first])
+    assert [r.get("grad_norm") for r in records[first:]] == pytest.approx([g for _, g in want[first:]], rel=1e-5)
+    assert set(per_module(records[-1], "grad_norm")) == {"0", "2"}
+
+
+def test_an_optimizer_that_appears_later_takes_over_the_step_boundaries(caplog):
+    torch.manual_seed(0)
+    model = LSTMLM()
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="takeover", stats_every=1), sink).attach()
+    with caplog.at_level(logging.INFO, logger="stability.hooks.capture"):
+        try:
+            for step in range(3):  # hand-written SGD first
+                model.zero_grad()
+                lstm_loss(model, step).backward()
+                for p in model.parameters():
+                    p.data.add_(p.grad, alpha=-0.1)
+            model.zero_grad()  # ends the last hand-written step
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            lrs = []
+            for step in range(3, 6):
+                for micro in range(2):
+                    (lstm_loss(model, 10 * step + micro) / 2).backward()
+                opt.step()
+                lrs.append(opt.param_groups[0]["lr"])
+                opt.zero_grad()
+        finally:
+            capture.close()
+    assert capture.errors == 0
+    records = sink.records
+    assert [r.step for r in records] == list(range(6))
+    assert [r.get("micro_batches") for r in records] == [1, 1, 1, 2, 2, 2]
+    assert all("lr" not in r.signals for r in records[:3])
+    assert [r.get("lr") for r in records[3:]] == lrs
+    assert per_module(records[4], "adam_v_ratio") and per_module(records[4], "update_ratio")
+    assert any("AdamW now steps" in r.getMessage() for r in caplog.records)
+
+
+def test_a_loop_with_no_visible_boundary_is_recorded_per_backward_with_a_warning(monkeypatch, caplog):
+    """Gradients cleared through ``.data`` and updates through ``.data`` leave no trace stability can see."""
+    monkeypatch.setattr(rhythm_module, "BLIND_AFTER", 6)
+    monkeypatch.setattr(capture_module, "BLIND_AFTER", 6)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="blind", stats_every=0), sink).attach()
+    losses, norms = [], []
+    with caplog.at_level(logging.WARNING, logger="stability.hooks.capture"):
+        try:
+            for step in range(10):
+                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+                loss = model(x).square().mean()
+                loss.backward()
+                losses.append(loss.item())
+                norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+                for p in model.parameters():
+                    p.data.add_(p.grad.data, alpha=-0.01)
+                    p.grad.data.zero_()
+        finally:
+            capture.close()
+    assert capture.errors == 0
+    records = sink.records
+    assert len(records) == 4  # the first 6 backward() calls are dropped, then one step each
+    assert [r.get("loss") for r in records] == pytest.approx(losses[6:], rel=1e-6)
+    assert [r.get("grad_norm") for r in records] == pytest.approx(norms[6:], rel=1e-5)
+    warned = [r.getMessage() for r in caplog.records if "nothing recorded after 6 backward() calls" in r.getMessage()]
+    assert len(warned) == 1 and "no step boundary" in warned[0]
+
+
+def test_raw_tensor_loop_records_the_loss_of_each_backward_and_says_so(caplog):
+    w = torch.zeros(4, requires_grad=True)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="raw"), sink).attach()
+    losses = []
+    with caplog.at_level(logging.WARNING, logger="stability.hooks.capture"):
+        try:
+            for step in range(4):
+                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+                loss = (x @ w - 1).square().mean()
+                loss.backward()
+                losses.append(loss.item())
+                with torch.no_grad():
+                    w -= 0.1 * w.grad
+                w.grad = None
+        finally:
+            capture.close()
+    assert capture.errors == 0
+    assert [r.get("loss") for r in sink.records] == pytest.approx(losses, rel=1e-6)
+    assert all("grad_norm" not in r.signals for r in sink.records)
+    assert sum("capturing loss only" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_steps_ending_at_the_next_backward_keep_their_own_activations_and_batch_ids():
+    """In a loop whose steps end at the next ``backward()`` (gradients set to None, no zero_grad/clip), the next
+    step's forward pass and ``set_batch`` run before the step in progress is known to end: they go to the next step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="late", stats_every=2, max_act_modules=8), sink).attach()
+    outputs: dict[int, float] = {}
+    mine = model[0].register_forward_hook(lambda m, a, o: outputs.__setitem__(step, float(o.detach().abs().max())))
+    try:
+        for step in range(7):
+            capture.set_batch(f"b{step}")
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step)) * (1 + step)
+            model(x).square().mean().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.001 * p.grad
+                    p.grad = None
+    finally:
+        capture.close()
+        mine.remove()
+    assert capture.errors == 0
+    records = sink.records
+    assert [r.step for r in records] == list(range(7))
+    assert [r.batch for r in records] == [f"b{s}" for s in range(7)]
+    for record in records[1:]:
+        sampled = record.step % 2 == 0
+        assert ("act_absmax/0" in record.signals) == sampled, record.step
+        if sampled:
+            assert record.get("act_absmax/0") == pytest.approx(outputs[record.step], rel=1e-6)

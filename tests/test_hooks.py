@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from stability.config import WatchConfig
 from stability.errors import ConfigError
 from stability.hooks import capture as capture_module
-from stability.hooks import stats, torch_patches
+from stability.hooks import rhythm, stats, torch_patches
 from stability.hooks.capture import MAX_ERRORS, Capture, in_hook
 from stability.hooks.layout import build_layout
 from stability.hooks.schedules import every, never
@@ -52,6 +52,7 @@ def originals() -> dict[str, object]:
         "utils.clip_grad_norm_": torch.nn.utils.clip_grad_norm_,
         "GradScaler.scale": vars(torch.amp.GradScaler)["scale"],
         "GradScaler.step": vars(torch.amp.GradScaler)["step"],
+        "Module.zero_grad": vars(nn.Module)["zero_grad"],
     }
 
 
@@ -158,6 +159,50 @@ def test_activation_modules_are_spread_over_depth():
     assert [n for n, _ in layout.activation_modules(3)] == ["0", "4", "9"]
     assert len(layout.activation_modules(100)) == 10
     assert layout.activation_modules(0) == []
+
+
+# ----------------------------------------------------------------------------------------------------- rhythm
+
+
+def test_rhythm_names_each_boundary_from_python_level_traces_only():
+    model = nn.Linear(3, 1)
+    other = nn.Linear(3, 1)
+
+    def backward() -> None:
+        model(torch.ones(2, 3)).sum().backward()
+
+    r = rhythm.Rhythm()
+    r.watch(list(model.parameters()))
+    assert r.boundary_at_backward() is None  # nothing in progress
+    backward()
+    r.after_backward()
+    assert r.boundary_at_backward() is None  # a second backward() is accumulation
+    assert not r.boundary_at_zero_grad(other) and r.boundary_at_zero_grad(model)
+    r.after_clip()
+    assert r.boundary_at_backward() == "clip"
+    r.step_closed()
+    for clear, reason in ((lambda p: setattr(p, "grad", None), "reset"), (lambda p: p.grad.zero_(), "reset"),
+                          (lambda p: p.data.add_(1.0), None), (lambda p: p.add_(1.0), "update")):
+        backward()
+        r.after_backward()
+        with torch.no_grad():
+            clear(model.weight)
+        assert r.boundary_at_backward() == reason
+        r.step_closed()
+    assert not r.blind()
+    r.backwards = rhythm.BLIND_AFTER
+    assert r.blind()
+    unwatched = rhythm.Rhythm()
+    unwatched.after_backward()
+    assert unwatched.boundary_at_backward() == "backward"  # no model known: one backward() per step
+
+
+def test_model_params_are_those_of_the_outermost_modules_with_gradients():
+    inner, frozen = nn.Linear(2, 2), nn.Linear(2, 2)
+    outer = nn.Sequential(inner, nn.Linear(2, 1))
+    outer[1].bias.requires_grad_(False)
+    outer(torch.ones(1, 2)).sum().backward()
+    assert rhythm.model_params([inner, frozen, outer]) == [inner.weight, inner.bias, outer[1].weight]
 
 
 # ------------------------------------------------------------------------------------ attach / close / patches
@@ -412,6 +457,31 @@ def test_hooks_never_read_tensor_values_on_the_training_thread(monkeypatch):
     assert "act_rms/h.0.attn.c_attn" in records[1].signals and "logit_z" in records[1].signals
 
 
+def test_rhythm_inference_of_a_loop_without_optimizer_reads_no_tensor_value(monkeypatch):
+    """Loops without an optimizer: boundaries come from ``_version`` counters and ``grad is None`` checks only, and
+    gradients measured after every backward (a loop clearing them itself) stay on the device too."""
+    violations = trap_host_reads(monkeypatch)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="nosync-hand", stats_every=1), sink).attach()
+    model = tiny_gpt(return_dict=True)
+    for step in range(4):
+        data = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(step))
+        for _micro in range(2):
+            logits = model(data[:, :-1])["logits"]
+            (F.cross_entropy(logits.reshape(-1, VOCAB), data[:, 1:].reshape(-1)) / 2).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+    capture.close()
+    assert violations == [] and capture.errors == 0
+    records = sink.records
+    assert [r.step for r in records] == [0, 1, 2, 3]
+    assert [r.get("micro_batches") for r in records] == [2, 2, 2, 2]
+    assert all(math.isfinite(r.get("grad_norm")) for r in records[1:])
+    assert "update_ratio/h.0.attn.c_attn" in records[2].signals
+
+
 def test_the_host_read_trap_catches_a_syncing_hook(monkeypatch):
     """The trap above can fail: a statistic that calls ``.item()`` is caught (and contained by the guard)."""
     violations = trap_host_reads(monkeypatch)
@@ -446,3 +516,34 @@ def test_one_cuda_training_step_has_no_sync_in_hooks():
     capture.close()
     assert capture.errors == 0 and len(sink) == 2
     assert math.isfinite(sink.records[1].get("grad_norm"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the CPU stand-in is the rhythm test above")
+def test_a_cuda_loop_without_optimizer_has_no_sync_in_hooks():
+    """Hand-written SGD that clears gradients itself (measured after every backward) under sync debug mode."""
+    model = tiny_gpt().cuda()
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="cuda-hand", stats_every=1), sink).attach()
+    data = torch.randint(0, VOCAB, (2, 9), device="cuda")
+
+    def train_step() -> None:
+        for _micro in range(2):
+            (F.cross_entropy(model(data[:, :-1]).reshape(-1, VOCAB), data[:, 1:].reshape(-1)) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+
+    for _ in range(2):  # warm-up: the first steps find the model, the rhythm and the layout index
+        train_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        train_step()
+        train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    capture.close()
+    assert capture.errors == 0 and len(sink) == 4
+    assert all(math.isfinite(r.get("grad_norm")) for r in sink.records)

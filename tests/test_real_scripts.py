@@ -1,0 +1,177 @@
+"""Public training scripts, re-created small (tests/scripts/, attribution and licence in each file), run unchanged
+apart from ``import stability.auto``: the embedded redis-server, a real local worker process, the Parquet archive,
+then the post-mortem over the run directory. Clean runs must raise nothing; an LR x100, a NaN and a bad batch must
+be found with the right kind at the step they were injected.
+
+* ``word_lm.py`` (pytorch/examples word_language_model): no ``torch.optim`` at all, a hand-written SGD update;
+  step boundaries come from the backward / clip / zero_grad rhythm.
+* ``nanogpt.py`` (nanoGPT train.py): AdamW, cosine LR with warm-up, gradient accumulation 4 with ``loss / 4``;
+  the recorded loss must be the true (undivided) loss.
+* ``nn_tutorial.py`` (pytorch/tutorials "What is torch.nn really?"): an MLP, ``p -= p.grad * lr`` under
+  ``no_grad`` then ``model.zero_grad()`` at the end of each iteration, no clipping, no optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stability import postmortem
+from stability.records import StepRecord
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+@dataclass(frozen=True)
+class Script:
+    file: str
+    steps: int
+
+    @property
+    def fault_step(self) -> int:
+        return int(self.steps * 0.6)
+
+
+WORD_LM = Script("word_lm.py", 300)
+NANOGPT = Script("nanogpt.py", 150)
+NN_TUTORIAL = Script("nn_tutorial.py", 300)
+EXPECTED = {  # fault -> (kind, top cause, onset slack after the injection step)
+    "lr": ("loss_spike", "lr_too_high", 3),  # the x100 LR acts through the update: the loss jumps one step later
+    "nan": ("nan", "numerical_nan", 0),
+    "batch": ("loss_spike", "bad_batch", 0),
+}
+
+
+@dataclass
+class Run:
+    proc: subprocess.CompletedProcess[str]
+    records: list[StepRecord]
+    events: list[dict]
+    run_dir: Path
+
+    def serious(self) -> list[dict]:
+        return [e for e in self.events if e["severity"] in ("warning", "error")]
+
+
+def _run(tmp_path: Path, script: Script, fault: str, *extra: str) -> Run:
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STABILITY_", "WANDB_"))}
+    env.update(OMP_NUM_THREADS="1", STABILITY_RUN_DIR=str(run_dir), PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / script.file), "--steps", str(script.steps), "--fault", fault, *extra],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "error in hook" not in proc.stderr, proc.stderr[-3000:]
+    records = postmortem.load_run_dir(run_dir)
+    result = postmortem.analyze(records, records[0].run_id)
+    return Run(proc, records, result.events, run_dir)
+
+
+def _stability_warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("stability:")]
+
+
+def _assert_captured(run: Run, script: Script) -> None:
+    assert [r.step for r in run.records] == list(range(script.steps))
+    for record in run.records:
+        assert "loss" in record.signals and "grad_norm" in record.signals, record.step
+        assert any(name.startswith("grad_norm/") for name in record.signals), record.step
+
+
+def _assert_found(run: Run, script: Script, fault: str) -> None:
+    kind, cause, slack = EXPECTED[fault]
+    lo, hi = script.fault_step, script.fault_step + slack
+    found = [e for e in run.events if e["kind"] == kind and lo <= e["onset"] <= hi]
+    assert found, run.events
+    assert found[0]["causes"][0]["cause"] == cause, found[0]
+    early = [e for e in run.serious() if e["onset"] < lo]
+    assert early == [], early  # nothing serious before the fault
+
+
+# ------------------------------------------------------------------------------- word_language_model (hand SGD)
+
+
+def test_word_lm_clean_run_is_captured_without_an_optimizer_and_raises_nothing(tmp_path: Path) -> None:
+    run = _run(tmp_path, WORD_LM, "none")
+    _assert_captured(run, WORD_LM)
+    assert all(r.get("micro_batches") == 1 and "lr" not in r.signals for r in run.records)
+    assert "param_norm/rnn" in run.records[50].signals and "update_ratio/rnn" in run.records[50].signals
+    said = _stability_warnings(run.proc.stderr)
+    assert len(said) == 1, said  # said once, at start, and nothing else
+    assert "capturing model RNNModel (3 modules" in said[0] and "no optimizer seen" in said[0]
+    assert "no lr (pass it with handle.observe('lr', lr))" in said[0]
+    assert run.serious() == [], run.serious()
+
+
+@pytest.mark.parametrize("fault", sorted(EXPECTED))
+def test_word_lm_fault_is_found(tmp_path: Path, fault: str) -> None:
+    run = _run(tmp_path, WORD_LM, fault)
+    assert len(run.records) == WORD_LM.steps
+    _assert_found(run, WORD_LM, fault)
+
+
+# ----------------------------------------------------------------------------------- nanoGPT (accumulation 4)
+
+
+def _true_losses(path: Path) -> dict[int, float]:
+    return {int(step): float(loss) for step, loss in (line.split() for line in path.read_text().splitlines())}
+
+
+def test_nanogpt_clean_run_records_the_undivided_loss_and_raises_nothing(tmp_path: Path) -> None:
+    log = tmp_path / "losses.txt"
+    run = _run(tmp_path, NANOGPT, "none", "--loss-log", str(log))
+    _assert_captured(run, NANOGPT)
+    true = _true_losses(log)
+    assert len(true) == NANOGPT.steps
+    for record in run.records:  # loss / 4 went into backward(); the record holds the step's mean micro-batch loss
+        assert record.get("loss") == pytest.approx(true[record.step], rel=1e-5), record.step
+        assert record.get("micro_batches") == 4
+    lrs = [r.get("lr") for r in run.records]
+    assert lrs[0] < lrs[10] < lrs[20] == pytest.approx(max(lrs)) and lrs[-1] < lrs[20] / 5  # warm-up, cosine
+    assert _stability_warnings(run.proc.stderr) == []
+    assert run.serious() == [], run.serious()
+
+
+@pytest.mark.parametrize("fault", sorted(EXPECTED))
+def test_nanogpt_fault_is_found(tmp_path: Path, fault: str) -> None:
+    run = _run(tmp_path, NANOGPT, fault)
+    assert len(run.records) == NANOGPT.steps
+    _assert_found(run, NANOGPT, fault)
+
+
+# --------------------------------------------------------------------- nn tutorial (hand update, zero_grad last)
+
+
+def test_nn_tutorial_clean_run_is_captured_and_raises_nothing(tmp_path: Path) -> None:
+    run = _run(tmp_path, NN_TUTORIAL, "none")
+    _assert_captured(run, NN_TUTORIAL)
+    assert "update_ratio/hidden" in run.records[100].signals and "act_rms/out" in run.records[100].signals
+    said = _stability_warnings(run.proc.stderr)
+    assert len(said) == 1 and "capturing model Mnist_MLP (2 modules" in said[0], said
+    assert run.serious() == [], run.serious()
+
+
+_NN_DETECTOR_GAPS = {
+    # found, but not yet named right by the detectors (issue 8, items 2 and 3; other branches work on them)
+    "lr": "detector: without an lr signal an LR x100 on the MLP is a loss_spike ranked bad_batch",
+    "batch": "detector: a bad batch whose gradient spikes harder than its loss is a grad_explosion (issue 8 item 2)",
+}
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [pytest.param(f, marks=pytest.mark.xfail(reason=_NN_DETECTOR_GAPS[f], strict=False)) if f in _NN_DETECTOR_GAPS
+     else f for f in sorted(EXPECTED)],
+)
+def test_nn_tutorial_fault_is_found(tmp_path: Path, fault: str) -> None:
+    run = _run(tmp_path, NN_TUTORIAL, fault)
+    assert len(run.records) == NN_TUTORIAL.steps
+    assert run.serious() and min(e["onset"] for e in run.serious()) in range(NN_TUTORIAL.fault_step,
+                                                                              NN_TUTORIAL.fault_step + 4)
+    _assert_found(run, NN_TUTORIAL, fault)
