@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from stability.detectors.base import Detector, Finding, Severity
+from stability.detectors.base import Detector, Finding, Severity, is_skipped_step, without_step_statistics
 from stability.detectors.crossrank import CrossRankConfig, CrossRankDetector
 from stability.detectors.divergence import DivergenceConfig, DivergenceDetector
 from stability.detectors.fp16 import LossScaleConfig, LossScaleDetector
@@ -61,6 +62,11 @@ KIND_PRIORITY = ("rank_disagreement", "nan", "loss_spike", "divergence", "grad_e
                  "grad_vanishing", "attention_logit_growth", "logit_divergence", "activation_growth",
                  "update_ratio_jump", "adam_v_lag", "plateau")
 """Headline preference among findings of equal severity in one incident (the loss-level event names it)."""
+
+SEES_SKIPPED_STEPS = frozenset({"nan", "loss_scale"})
+"""Detectors that get the whole record of a step the fp16 scaler skipped (a non-finite loss is still a NaN event;
+overflow bursts are the loss-scale detector's business); every other detector and the history get it without its
+gradient statistics, so an overflow feeds no baseline (:meth:`_RankSuite.step_view`)."""
 
 MAX_KEPT_INCIDENTS = 16
 """Closed incidents per rank kept in :meth:`RunDiagnoser.state_dict` (all are kept in memory)."""
@@ -173,11 +179,23 @@ class _RankSuite:
         """Host of the rank (from its latest record); every finding of the rank names it."""
         self.incident_record = -1
         """Value of ``records`` at the open incident's last finding."""
+        self.scale: float | None = None
+        """The rank's last recorded fp16 loss scale (a fall marks a skipped step)."""
+
+    def step_view(self, record: StepRecord) -> StepRecord:
+        """What the baselines may see of ``record``: without its gradient statistics on a step the fp16 scaler
+        skipped (:func:`~stability.detectors.base.is_skipped_step`); the record itself otherwise."""
+        skipped = is_skipped_step(record, self.scale)
+        scale = record.get("loss_scale")
+        if math.isfinite(scale) and scale > 0:
+            self.scale = scale
+        return without_step_statistics(record) if skipped else record
 
     def state_dict(self) -> dict[str, Any]:
         return {"detectors": {d.name: d.state_dict() for d in self.detectors}, "history": self.history.state_dict(),
                 "last_alert": {k: list(v) for k, v in self.last_alert.items()}, "last_step": self.last_step,
-                "records": self.records, "incident_record": self.incident_record, "host": self.host}
+                "records": self.records, "incident_record": self.incident_record, "host": self.host,
+                "scale": self.scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for detector in self.detectors:
@@ -189,6 +207,8 @@ class _RankSuite:
         self.records = int(state.get("records", 0))
         self.incident_record = int(state.get("incident_record", -1))
         self.host = str(state.get("host", ""))
+        scale = state.get("scale")
+        self.scale = None if scale is None else float(scale)
 
 
 class RunDiagnoser:
@@ -223,10 +243,11 @@ class RunDiagnoser:
         suite.last_step = record.step
         suite.records += 1
         suite.host = record.host or suite.host
-        suite.history.push(record)
+        view = suite.step_view(record)
+        suite.history.push(view)
         found: list[Finding] = []
         for detector in suite.detectors:
-            found.extend(detector.update(record))
+            found.extend(detector.update(record if detector.name in SEES_SKIPPED_STEPS else view))
         decided = self._crossrank.update(record)
         self._held += [(record.rank, f) for f in found]
         alerts += self._release()
