@@ -100,6 +100,9 @@ class DiagnoserConfig:
     ranked with the cross-rank verdict of that step), at most until another rank is this many steps ahead."""
     max_held: int = 64
     """At most this many findings wait (the oldest is released first)."""
+    rediagnose_steps: int = 100
+    """A warning/error within this many steps (onset to onset) of a weaker earlier incident of the same rank, with a
+    different first cause, re-diagnoses it (:meth:`RunDiagnoser._rediagnose`)."""
     history_steps: int = 256
     module_history_steps: int = 96
     max_series: int = 512
@@ -116,6 +119,8 @@ class Incident:
     end: int | None = None
     late_batches: list[str] = field(default_factory=list)
     """Batch ids of anomalous steps after the alert (known once the anomaly ended)."""
+    rediagnosed_by: int | None = None
+    """Step of the later, stronger finding whose causes replaced the headline's (None: its own diagnosis)."""
 
     @property
     def headline(self) -> Finding:
@@ -148,14 +153,15 @@ class Incident:
     def to_state(self) -> dict[str, Any]:
         """Plain data."""
         return {"rank": self.rank, "findings": [f.to_dict() for f in self.findings], "alerted": self.alerted.value,
-                "last_step": self.last_step, "end": self.end, "late_batches": self.late_batches}
+                "last_step": self.last_step, "end": self.end, "late_batches": self.late_batches,
+                "rediagnosed_by": self.rediagnosed_by}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Incident:
         """Inverse of :meth:`to_state`."""
         return cls(rank=int(state["rank"]), findings=[Finding.from_dict(f) for f in state["findings"]],
                    alerted=Severity(state["alerted"]), last_step=int(state["last_step"]), end=state["end"],
-                   late_batches=list(state.get("late_batches", [])))
+                   late_batches=list(state.get("late_batches", [])), rediagnosed_by=state.get("rediagnosed_by"))
 
 
 class _RankSuite:
@@ -321,6 +327,7 @@ class RunDiagnoser:
             ranking = rank_causes(raw, suite.history, recent)
             finding = dataclasses.replace(raw, causes=ranking.causes, rollback_step=ranking.rollback_step,
                                           skip_batches=ranking.skip_batches, host=raw.host or suite.host)
+            finding = self._rediagnose(rank, finding)
             if self._join(suite, rank, finding):
                 alerts.append(finding)
         return alerts
@@ -354,6 +361,32 @@ class RunDiagnoser:
             self.incidents.append(incident)
         suite.last_alert[finding.kind] = (finding.step, finding.severity.rank)
         return True
+
+    def _rediagnose(self, rank: int, finding: Finding) -> Finding:
+        """A warning/error stronger than the rank's last incident, within ``rediagnose_steps`` of its onset, whose
+        first cause differs: the later, stronger evidence supersedes the earlier diagnosis (the first thing an
+        operator read must not stay wrong). The finding gets ``evidence["rediagnoses"]`` = the earlier onset; the
+        earlier incident's headline takes the new causes (its report shows them, the old ones follow, scored no
+        higher) and records ``rediagnosed_by`` (when the finding joins that incident it becomes its headline)."""
+        earlier = self._open.get(rank)
+        if (earlier is None or finding.severity is Severity.INFO or not finding.causes
+                or finding.severity.rank <= earlier.alerted.rank
+                or not 0 <= finding.onset - earlier.onset <= self.config.rediagnose_steps):
+            return finding
+        head = earlier.headline
+        new = finding.causes[0]
+        if head.causes and head.causes[0].cause == new.cause:
+            return finding
+        finding = dataclasses.replace(finding, evidence={**finding.evidence, "rediagnoses": float(earlier.onset)})
+        note = f"re-diagnosed by the {finding.kind} {finding.severity.value} at step {finding.step}"
+        lowest = finding.causes[-1].score
+        causes = (dataclasses.replace(new, evidence=f"{note}: {new.evidence}"), *finding.causes[1:],
+                  *(dataclasses.replace(c, score=min(c.score, lowest)) for c in head.causes
+                    if c.cause not in {h.cause for h in finding.causes}))
+        index = next(i for i, f in enumerate(earlier.findings) if f is head)
+        earlier.findings[index] = dataclasses.replace(head, causes=causes)
+        earlier.rediagnosed_by = finding.step
+        return finding
 
     @staticmethod
     def _rerank(suite: _RankSuite, incident: Incident, head: Finding) -> None:

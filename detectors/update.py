@@ -27,6 +27,13 @@ dominated by larger layers, hardly moves. The cause is ranked like a loss spike'
 ``loss_ratio`` (1.3) x the median of the last 16 losses): a precursor. When the loss jumped at the same record, the
 lag is that batch's doing and the finding is INFO (the loss-spike finding tells the story).
 
+Each module is judged against its own baseline too (the last ``own_window`` (32) of its values that raised no
+alarm): the lag must also be ``tail_factor`` (2) x their largest value and ``own_z`` (6) robust sigmas of their
+log over their median. A dense layer's ratio stays near 1 with a small spread, so this changes nothing there; a
+sparse-gradient module (an ``nn.Embedding`` whose rarely seen rows have a decayed ``v``) has a heavy-tailed,
+widely spread ratio by nature and needs far more (the word-level LSTM false alarm at step 200 of a clean run). While
+a module has fewer than ``own_min_points`` (8) values, an embedding by name (:data:`EMBEDDING_MODULE`) is not judged.
+
 Calibration (evaluation corpus, seeds 0-4, tiny GPT with ``stats_every = 10``, generator v4): after the warm-up gate
 clean runs reach an update-ratio jump of 3.2x (z < 7) and an Adam lag of 8.8 at most; LR spikes give update-ratio
 jumps of 260-780x, LR ramps ~360x, attention-LR growth 46-90x; bad batches an Adam lag of 29-52 (with the loss 3-4x
@@ -39,6 +46,7 @@ ranks 33-1300x, LR spikes 18-180x. The real baselines carry none of these signal
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +58,10 @@ from stability.detectors.base import Finding, Severity
 from stability.detectors.history import LrTracker
 from stability.records import StepRecord, split_signal
 
-__all__ = ["LAYER_GRAD", "AdamLagConfig", "AdamLagDetector", "LayerJumpConfig", "LayerJumpDetector"]
+MAX_SERIES = 512
+"""Series with an own baseline (per rank)."""
+
+__all__ = ["EMBEDDING_MODULE", "LAYER_GRAD", "AdamLagConfig", "AdamLagDetector", "LayerJumpConfig", "LayerJumpDetector"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,6 +166,11 @@ class LayerJumpDetector:
 
 
 
+EMBEDDING_MODULE = re.compile(r"(^|[._])(wte|wpe|embed\w*|embedding\w*|\w*_emb|emb|encoder|tok\w*)$", re.IGNORECASE)
+"""Module names of embedding tables (nanoGPT ``wte``/``wpe``, HF ``embed_tokens``, pytorch/examples
+``word_language_model``'s ``encoder``): the fallback for sparse gradients while a module's own history is short."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdamLagConfig:
     """Settings of :class:`AdamLagDetector`."""
@@ -164,6 +180,16 @@ class AdamLagConfig:
     loss_window: int = 16
     warmup_gate: float = 2.0
     cooldown: int = 20
+    own_window: int = 32
+    """Records of a module's own ``adam_v_ratio`` kept as its baseline (values that raised no alarm)."""
+    own_min_points: int = 8
+    tail_factor: float = 2.0
+    """A lag must also be this many times the largest value of the module's own baseline window ..."""
+    own_z: float = 6.0
+    """... and this many robust sigmas (of its log values) over their median: a module whose ``g^2 / v`` is
+    heavy-tailed or widely spread by nature (sparse gradients: embedding rows that rarely get one, whose ``v`` has
+    decayed) needs more than a dense layer, whose ratio stays near 1."""
+    own_floor: float = 0.1
 
 
 class AdamLagDetector:
@@ -177,6 +203,21 @@ class AdamLagDetector:
         self._lr = LrTracker()
         self._losses: deque[float] = deque(maxlen=self.config.loss_window)
         self._quiet: dict[str, int] = {}
+        self._own: dict[str, deque[float]] = {}
+        """series -> its recent values that raised no alarm (its own baseline)."""
+
+    def _threshold(self, name: str) -> float:
+        """The lag that alarms on ``name``: ``lag``, or more for a module whose own baseline is heavy-tailed or
+        spread (``tail_factor`` x its largest value, ``own_z`` robust sigmas over its median); an embedding (by
+        name) whose own history is still too short: never."""
+        cfg = self.config
+        own = self._own.get(name)
+        if own is None or len(own) < cfg.own_min_points:
+            return math.inf if EMBEDDING_MODULE.search(split_signal(name)[1] or "") else cfg.lag
+        logs = np.log(np.maximum(np.fromiter(own, dtype=np.float64), 1e-12))
+        center = median(logs)
+        spread = max(1.4826 * median(np.abs(logs - center)), cfg.own_floor)
+        return max(cfg.lag, cfg.tail_factor * max(own), safe_exp(center + cfg.own_z * spread))
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
@@ -187,10 +228,13 @@ class AdamLagDetector:
             if split_signal(name)[0] != "adam_v_ratio" or not math.isfinite(value):
                 continue
             quiet = self._quiet.get(name, 0)
-            if value >= cfg.lag and quiet == 0:
+            threshold = self._threshold(name)
+            if value >= threshold and quiet == 0:
                 lags.append((value, name))
-            if value >= cfg.lag or quiet:
-                self._quiet[name] = cfg.cooldown if value >= cfg.lag else quiet - 1
+            if value >= threshold or quiet:
+                self._quiet[name] = cfg.cooldown if value >= threshold else quiet - 1
+            if value < threshold and (name in self._own or len(self._own) < MAX_SERIES):
+                self._own.setdefault(name, deque(maxlen=cfg.own_window)).append(value)
         alarm = bool(lags) and not self._lr.in_warmup(record.step, cfg.warmup_gate)
         loss = record.get("loss")
         typical = median(np.fromiter(self._losses, dtype=np.float64)) if alarm and self._losses else math.nan
@@ -217,10 +261,13 @@ class AdamLagDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
-        return {"lr": self._lr.state_dict(), "losses": list(self._losses), "quiet": dict(self._quiet)}
+        return {"lr": self._lr.state_dict(), "losses": list(self._losses), "quiet": dict(self._quiet),
+                "own": {k: list(v) for k, v in self._own.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self._lr.load_state_dict(state["lr"])
         self._losses = deque((float(v) for v in state["losses"]), maxlen=self.config.loss_window)
         self._quiet = {str(k): int(v) for k, v in state["quiet"].items()}
+        self._own = {str(k): deque((float(x) for x in v), maxlen=self.config.own_window)
+                     for k, v in state.get("own", {}).items()}
