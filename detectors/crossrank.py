@@ -15,7 +15,8 @@ suspect is the replica outside the strict majority of agreeing values when there
 replicas, or a split vote) the replica that moved away from its *own* recent history (robust z of its log value
 against its last ``own_window`` (32) agreed values): the healthy replica's value continues its history. A group
 that differs routinely (a framework that logs each rank's pre-reduce norm) never becomes exact and keeps the
-statistical rule below.
+statistical rule below, with the spread of their norms floored at ``loss_floor`` like the losses' and a ratio of
+``pre_reduce_ratio`` (3x).
 
 Statistical rules for a step with at least ``min_ranks`` (3) reporting replicas (2 suffice for a non-finite value):
 
@@ -66,6 +67,9 @@ class CrossRankConfig:
     exact_tol: float = 1e-5
     exact_after: int = 8
     exact_slack: float = 0.05
+    pre_reduce_ratio: float = 3.0
+    """Replicas whose norms routinely differ (logged before the all-reduce: each rank's own data) single one out
+    only this far from the others (3x: over 7 sigmas of a 0.15 log spread between ranks' batches)."""
     own_window: int = 32
     own_floor: float = 0.05
     """Floor of the own-history scale (log): a replica must move >= 6 x 5 % away from its history to be singled
@@ -168,10 +172,14 @@ class CrossRankDetector:
         for ranks in groups.values():
             for index, (signal, floor) in enumerate((("loss", self.config.loss_floor),
                                                      ("grad_norm", self.config.grad_floor))):
+                ratio = self.config.ratio
                 got = {r: v for r in ranks if (v := values[r][index]) is not None}
-                odd = self._odd(got, floor)
+                exact: dict[int, tuple[float, float, float, bool]] = {}
                 if signal == "grad_norm":
-                    odd = self._post_reduce(ranks[0], got) or odd
+                    exact = self._post_reduce(ranks[0], got)
+                    if self._routinely_differ(ranks[0]):  # each rank's own (pre-reduce) norm: noisy like losses
+                        floor, ratio = self.config.loss_floor, self.config.pre_reduce_ratio
+                odd = exact or self._odd(got, floor, ratio)
                 for rank, (other, _, z, nonfinite) in odd.items():
                     if rank not in suspects or signal == "grad_norm":
                         suspects[rank] = (signal, got[rank], other, z, nonfinite)
@@ -214,6 +222,12 @@ class CrossRankDetector:
                 self._own.setdefault(rank, deque(maxlen=cfg.own_window)).append(y)
         return suspects
 
+    def _routinely_differ(self, member: int) -> bool:
+        """Whether the replicas of ``member``'s group differ on more than ``exact_slack`` of the steps (norms
+        logged before the all-reduce): the statistical rule then floors their spread like the losses'."""
+        counts = self._agreement.get(self._groups.get(member, ""), [0, 0])
+        return counts[1] > self.config.exact_slack * (counts[0] + counts[1])
+
     def _outliers(self, logs: dict[int, float]) -> dict[int, tuple[float, float, float, bool]]:
         """Replicas outside the strict majority of exactly agreeing values; without one, the replica farthest
         from its own history (robust z)."""
@@ -240,7 +254,8 @@ class CrossRankDetector:
         scale = max(1.4826 * float(np.median(np.abs(values - center))), self.config.own_floor)
         return abs(y - center) / scale
 
-    def _odd(self, got: dict[int, float], floor: float) -> dict[int, tuple[float, float, float, bool]]:
+    def _odd(self, got: dict[int, float], floor: float,
+             min_ratio: float) -> dict[int, tuple[float, float, float, bool]]:
         """rank -> (median of the others, ratio, robust z, non-finite) for the one rank that disagrees."""
         if len(got) < 2:
             return {}
@@ -261,12 +276,12 @@ class CrossRankDetector:
         scale = max(1.4826 * float(np.median(np.abs(rest - rest_center))), floor)
         z = abs(float(logs[worst]) - rest_center) / scale
         ratio = safe_exp(abs(float(logs[worst]) - rest_center))
-        if ratio < self.config.ratio or z < self.config.z_threshold:
+        if ratio < min_ratio or z < self.config.z_threshold:
             return {}
         # only one rank may disagree: the second worst must agree with the rest
         if len(rest) >= 2:
             second = float(np.max(np.abs(rest - rest_center)))
-            if safe_exp(second) >= self.config.ratio and second / scale >= self.config.z_threshold:
+            if safe_exp(second) >= min_ratio and second / scale >= self.config.z_threshold:
                 return {}
         return {ranks[worst]: (safe_exp(rest_center), ratio, z, False)}
 
