@@ -118,7 +118,7 @@ class GradExplosionDetector:
             return []
         ratio = safe_exp(y - pred.level)
         cand = {"step": record.step, "y": y, "level": pred.level, "ratio": ratio, "z": pred.z(y),
-                "points": pred.points, "loss_ratio": loss_ratio}
+                "points": pred.points, "loss_ratio": loss_ratio, "rank": record.rank}
         if ratio >= self.config.error_ratio and loss_ratio >= self.config.loss_ratio:
             self._active = {**cand, "last": record.step, "records": 0}
             return [self._finding(record, cand, Severity.ERROR, f"rose {ratio:.1f}x over its baseline",
@@ -148,9 +148,19 @@ class GradExplosionDetector:
         return candidate_finding(self, "grad_norm", record, cand, severity, what, end=end, extra=extra)
 
     def finish(self) -> list[Finding]:
-        """Nothing to flush: an unconfirmed grad-norm candidate alone is not reported."""
-        self._pending = None
-        return []
+        """A huge (``>= error_ratio``) candidate that the end of the records left unconfirmed is reported as the
+        ERROR it would be if it did not revert (``evidence["unconfirmed"]``); a smaller one alone is not."""
+        cand, self._pending = self._pending, None
+        if cand is None or cand["ratio"] < self.config.error_ratio:
+            return []
+        baseline = safe_exp(cand["level"])
+        return [Finding(kind=self.kind, step=cand["step"], onset=cand["step"], severity=Severity.ERROR,
+                        signal="grad_norm", value=safe_exp(cand["y"]),
+                        message=f"grad_norm rose {cand['ratio']:.1f}x over its baseline {baseline:.4g} at step "
+                        f"{cand['step']}; the records end before it could be confirmed", detector=self.name,
+                        rank=cand.get("rank", 0), score=cand["ratio"],
+                        evidence={"ratio": cand["ratio"], "z": cand["z"], "baseline": baseline,
+                                  "loss_ratio": cand["loss_ratio"], "unconfirmed": 1.0})]
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
