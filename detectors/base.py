@@ -148,9 +148,9 @@ BACKOFF = 1.5
 
 
 def is_skipped_step(record: StepRecord, previous_scale: float | None) -> bool:
-    """Whether the fp16 loss scaler skipped this step: ``skipped > 0``, the loss scale backed off (fell
-    :data:`BACKOFF` x or more) from ``previous_scale`` (the rank's last recorded scale), or a loss scale is recorded and the grad norm is not
-    finite (the scaler's overflow check). On such a step the recorded gradients are the scaled ones or inf and no
+    """Whether the fp16 loss scaler skipped this step: ``skipped > 0``, the loss scale backed off (fell :data:`BACKOFF`
+    x or more) from ``previous_scale`` (the rank's last recorded scale), or a loss scale is recorded and the grad norm
+    is not finite (the scaler's overflow check). On such a step the recorded gradients are the scaled ones or inf and no
     update was applied: its gradient statistics describe the overflow, not the training."""
     if record.get("skipped", 0.0) > 0:
         return True

@@ -170,16 +170,10 @@ class CrossRankDetector:
         out: list[Finding] = []
         suspects: dict[int, tuple[str, float, float, float, bool]] = {}
         for ranks in groups.values():
-            for index, (signal, floor) in enumerate((("loss", self.config.loss_floor),
-                                                     ("grad_norm", self.config.grad_floor))):
-                ratio = self.config.ratio
+            for index, signal in enumerate(("loss", "grad_norm")):
                 got = {r: v for r in ranks if (v := values[r][index]) is not None}
-                exact: dict[int, tuple[float, float, float, bool]] = {}
-                if signal == "grad_norm":
-                    exact = self._post_reduce(ranks[0], got)
-                    if self._routinely_differ(ranks[0]):  # each rank's own (pre-reduce) norm: noisy like losses
-                        floor, ratio = self.config.loss_floor, self.config.pre_reduce_ratio
-                odd = exact or self._odd(got, floor, ratio)
+                odd = self._odd(got, self.config.loss_floor, self.config.ratio) if index == 0 else \
+                    self._odd_grad(ranks[0], got)
                 for rank, (other, _, z, nonfinite) in odd.items():
                     if rank not in suspects or signal == "grad_norm":
                         suspects[rank] = (signal, got[rank], other, z, nonfinite)
@@ -221,6 +215,16 @@ class CrossRankDetector:
             if rank not in suspects:
                 self._own.setdefault(rank, deque(maxlen=cfg.own_window)).append(y)
         return suspects
+
+    def _odd_grad(self, member: int, got: dict[int, float]) -> dict[int, tuple[float, float, float, bool]]:
+        """Suspects by ``grad_norm`` in the group of ``member``: the exact-agreement rule, else the statistical one
+        (with the losses' floor and ``pre_reduce_ratio`` when the group's norms routinely differ)."""
+        exact = self._post_reduce(member, got)
+        if exact:
+            return exact
+        if self._routinely_differ(member):  # each rank's own (pre-reduce) norm: noisy like the losses
+            return self._odd(got, self.config.loss_floor, self.config.pre_reduce_ratio)
+        return self._odd(got, self.config.grad_floor, self.config.ratio)
 
     def _routinely_differ(self, member: int) -> bool:
         """Whether the replicas of ``member``'s group differ on more than ``exact_slack`` of the steps (norms

@@ -28,13 +28,14 @@ dominated by larger layers, hardly moves. The cause is ranked like a loss spike'
 lag is that batch's doing and the finding is INFO (the loss-spike finding tells the story).
 
 Each module is judged against its own baseline too (its values that raised no alarm): the lag must also be
-``tail_factor`` (2) x their peak (a running maximum that halves every ``peak_half_life`` (200) records) and
-``own_z`` (6) robust sigmas of their log over their median (the last ``own_window`` (128) of them). A dense layer's ratio stays near 1 with a small spread, so this changes nothing there; a
-sparse-gradient module (an ``nn.Embedding`` whose rarely seen rows have a decayed ``v``) has a heavy-tailed,
-widely spread ratio by nature and needs far more (the word-level LSTM false alarm at step 200 of a clean run). While
-a module has fewer than ``own_min_points`` (8) values, an embedding by name (:data:`EMBEDDING_MODULE`) is not judged,
-and later it needs at least ``sparse_lag`` (200): the first batch of its rare rows after a quiet stretch is a lag
-of 20-100 that no history foresees (names are the fallback; the own-baseline rule applies to every module).
+``tail_factor`` (2) x their peak (a running maximum that halves every ``peak_half_life`` (200) records) and ``own_z``
+(6) robust sigmas of their log over their median (the last ``own_window`` (128) of them). A dense layer's ratio stays
+near 1 with a small spread, so this changes nothing there; a sparse-gradient module (an ``nn.Embedding`` whose rarely
+seen rows have a decayed ``v``) has a heavy-tailed, widely spread ratio by nature and needs far more (the word-level
+LSTM false alarm at step 200 of a clean run). While a module has fewer than ``own_min_points`` (8) values, an embedding
+by name (:data:`EMBEDDING_MODULE`) is not judged, and later it needs at least ``sparse_lag`` (200): the first batch of
+its rare rows after a quiet stretch is a lag of 20-100 that no history foresees (names are the fallback; the
+own-baseline rule applies to every module).
 
 Calibration (evaluation corpus, seeds 0-4, tiny GPT with ``stats_every = 10``, generator v4): after the warm-up gate
 clean runs reach an update-ratio jump of 3.2x (z < 7) and an Adam lag of 8.8 at most; LR spikes give update-ratio
