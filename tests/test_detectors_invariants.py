@@ -297,9 +297,9 @@ def test_rediagnosis_survives_a_state_round_trip() -> None:
 @pytest.mark.parametrize("name", ["encoder", "h.0.mlp", "rnn"])
 def test_a_heavy_tailed_adam_ratio_raises_no_lag_but_a_real_lag_still_does(name: str) -> None:
     """``adam_v_ratio`` of a sparse-gradient module, sampled every 10 steps: log-normal around 0.5 with a spread of
-    1.0, 20x on 8 % of the records (batches of rare rows whose v decayed; values over 20 at times). Clean: no adam_v_lag above INFO,
-    whatever the module is called (the rule is its own history's). A lag of 1e5 on it still warns; a dense layer still
-    warns at 40."""
+    1.0, 20x on 8 % of the records (batches of rare rows whose v decayed; values over 20 at times). Clean: no
+    adam_v_lag above INFO, whatever the module is called (the rule is its own history's). A lag of 1e5 on it still
+    warns; a dense layer still warns at 40."""
     for seed in SEEDS:
         rng = np.random.default_rng(seed)
         s = series(1500, seed, 0.1)
