@@ -24,7 +24,8 @@ Statistical rules for a step with at least ``min_ranks`` (3) reporting replicas 
   non-finite while the others are finite, or >= ``ratio`` (1.5x) away from the median of the others with a robust
   z >= ``z_threshold`` (6; scale = MAD across ranks, floored at ``grad_floor``, 1e-3 in log) -> ERROR at once.
 * ``loss`` differs between replicas (different data) but only by noise: the same test with a scale floored at
-  ``loss_floor`` (0.05 in log), and the rank must disagree on ``persist`` (2) of the last 3 decided steps (a bad
+  ``loss_floor`` (0.05 in log) or at the replicas' usual spread (90th percentile over the last ``spread_window``
+  (64) decided steps) when larger, and the rank must disagree on ``persist`` (2) of the last 3 decided steps (a bad
   batch on one rank is a one-step event, not a faulty GPU). A non-finite loss on one rank only -> ERROR at once.
 
 The finding (kind ``rank_disagreement``) is on the faulty rank and names it and its host (``StepRecord.host``).
@@ -67,6 +68,10 @@ class CrossRankConfig:
     exact_tol: float = 1e-5
     exact_after: int = 8
     exact_slack: float = 0.05
+    spread_window: int = 64
+    spread_quantile: float = 0.9
+    """The loss rule's scale is at least this quantile of the replicas' recent spreads (per-batch losses are
+    heavy-tailed: most steps the replicas are close, now and then one batch is far easier or harder)."""
     pre_reduce_ratio: float = 3.0
     """Replicas whose norms routinely differ (logged before the all-reduce: each rank's own data) single one out
     only this far from the others (3x: over 7 sigmas of a 0.15 log spread between ranks' batches)."""
@@ -99,6 +104,8 @@ class CrossRankDetector:
         """Disagreements decided by the current :meth:`update` call (transient, for :meth:`suspect`)."""
         self._own: dict[int, deque[float]] = {}
         """rank -> its last ``own_window`` log grad norms that agreed with its replicas."""
+        self._loss_spread: dict[str, deque[float]] = {}
+        """group -> robust spread of the replicas' log losses on recent decided steps."""
         self._agreement: dict[str, list[int]] = {}
         """group -> [steps its replicas agreed exactly, steps they differed]."""
 
@@ -172,7 +179,7 @@ class CrossRankDetector:
         for ranks in groups.values():
             for index, signal in enumerate(("loss", "grad_norm")):
                 got = {r: v for r in ranks if (v := values[r][index]) is not None}
-                odd = self._odd(got, self.config.loss_floor, self.config.ratio) if index == 0 else \
+                odd = self._odd(got, self._loss_floor(ranks[0], got), self.config.ratio) if index == 0 else \
                     self._odd_grad(ranks[0], got)
                 for rank, (other, _, z, nonfinite) in odd.items():
                     if rank not in suspects or signal == "grad_norm":
@@ -215,6 +222,20 @@ class CrossRankDetector:
             if rank not in suspects:
                 self._own.setdefault(rank, deque(maxlen=cfg.own_window)).append(y)
         return suspects
+
+    def _loss_floor(self, member: int, got: dict[int, float]) -> float:
+        """Scale floor of the loss rule in ``member``'s group: ``loss_floor``, or the ``spread_quantile`` (90 %) of
+        the spreads of the replicas' log losses over the last ``spread_window`` decided steps when larger (replicas whose losses differ widely
+        by nature, e.g. a CNN's per-batch losses near 0, must disagree by far more than 1.5x); then this step's
+        spread joins the history."""
+        group = self._groups.get(member, "")
+        spreads = self._loss_spread.setdefault(group, deque(maxlen=self.config.spread_window))
+        floor = max(self.config.loss_floor, float(np.quantile(spreads, self.config.spread_quantile))) if spreads \
+            else self.config.loss_floor
+        logs = np.log([v for v in got.values() if math.isfinite(v) and v > 0])
+        if len(logs) >= 3:
+            spreads.append(1.4826 * float(np.median(np.abs(logs - np.median(logs)))))
+        return floor
 
     def _odd_grad(self, member: int, got: dict[int, float]) -> dict[int, tuple[float, float, float, bool]]:
         """Suspects by ``grad_norm`` in the group of ``member``: the exact-agreement rule, else the statistical one
@@ -309,7 +330,8 @@ class CrossRankDetector:
                 "loss_flags": [[r, list(f)] for r, f in self._loss_flags.items()],
                 "quiet": [[r, q] for r, q in self._quiet.items()],
                 "own": [[r, list(v)] for r, v in self._own.items()],
-                "agreement": [[g, list(c)] for g, c in self._agreement.items()]}
+                "agreement": [[g, list(c)] for g, c in self._agreement.items()],
+                "loss_spread": [[g, list(v)] for g, v in self._loss_spread.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
@@ -324,6 +346,8 @@ class CrossRankDetector:
         self._own = {int(r): deque((float(x) for x in v), maxlen=self.config.own_window)
                      for r, v in state.get("own", [])}
         self._agreement = {str(g): [int(c[0]), int(c[1])] for g, c in state.get("agreement", [])}
+        self._loss_spread = {str(g): deque((float(x) for x in v), maxlen=self.config.spread_window)
+                             for g, v in state.get("loss_spread", [])}
 
 
 def _value(record: StepRecord, name: str) -> float | None:
