@@ -225,9 +225,9 @@ class CrossRankDetector:
 
     def _loss_floor(self, member: int, got: dict[int, float]) -> float:
         """Scale floor of the loss rule in ``member``'s group: ``loss_floor``, or the ``spread_quantile`` (90 %) of
-        the spreads of the replicas' log losses over the last ``spread_window`` decided steps when larger (replicas whose losses differ widely
-        by nature, e.g. a CNN's per-batch losses near 0, must disagree by far more than 1.5x); then this step's
-        spread joins the history."""
+        the spreads of the replicas' log losses over the last ``spread_window`` decided steps when larger (replicas
+        whose losses differ widely by nature, e.g. a CNN's per-batch losses near 0, must disagree by far more than
+        1.5x); then this step's spread joins the history."""
         group = self._groups.get(member, "")
         spreads = self._loss_spread.setdefault(group, deque(maxlen=self.config.spread_window))
         floor = max(self.config.loss_floor, float(np.quantile(spreads, self.config.spread_quantile))) if spreads \

@@ -33,9 +33,10 @@ Each module is judged against its own baseline too (its values that raised no al
 near 1 with a small spread, so this changes nothing there; a sparse-gradient module (an ``nn.Embedding`` whose rarely
 seen rows have a decayed ``v``) has a heavy-tailed, widely spread ratio by nature and needs far more (the word-level
 LSTM false alarm at step 200 of a clean run). While a module has fewer than ``own_min_points`` (8) values, an embedding
-by name (:data:`EMBEDDING_MODULE`) is not judged, and later it needs at least ``sparse_lag`` (200): the first batch of
-its rare rows after a quiet stretch is a lag of 20-100 that no history foresees (names are the fallback; the
-own-baseline rule applies to every module).
+by name (:data:`EMBEDDING_MODULE`) is not judged. A sparse-gradient module needs at least ``sparse_lag`` (200): the
+first batch of its rare rows after a quiet stretch is a lag of 20-130 that no history foresees. Sparse is measured
+first (a ratio of exactly 0, no gradient, on ``sparse_zeros`` (10 %) of its records: an MoE expert no token was
+routed to, 0 -> 127 on a clean families-calib MoE run) and else taken from the name (an embedding), as a fallback.
 
 Calibration (evaluation corpus, seeds 0-4, tiny GPT with ``stats_every = 10``, generator v4): after the warm-up gate
 clean runs reach an update-ratio jump of 3.2x (z < 7) and an Adam lag of 8.8 at most; LR spikes give update-ratio
@@ -252,10 +253,13 @@ class AdamLagConfig:
     heavy-tailed or widely spread by nature (sparse gradients: embedding rows that rarely get one, whose ``v`` has
     decayed) needs more than a dense layer, whose ratio stays near 1."""
     own_floor: float = 0.1
+    sparse_zeros: float = 0.1
+    """A module whose ratio is 0 (no gradient at all) on this share of its own records has sparse gradients."""
     sparse_lag: float = 200.0
-    """The least lag that alarms on an embedding (by name, :data:`EMBEDDING_MODULE`): its rows get a gradient only
-    when their tokens occur, so the first batch of rare rows after a quiet stretch is a lag of 20-100 by nature,
-    which its own history cannot foresee (a corrupted replica's lag reaches 1e3-1e6)."""
+    """The least lag that alarms on a sparse-gradient module (an embedding by name, :data:`EMBEDDING_MODULE`, or
+    an MoE expert that often gets no token): its rows get a gradient only when their tokens occur, so the first
+    batch of rare rows after a quiet stretch is a lag of 20-130 by nature, which its own history cannot foresee (a
+    corrupted replica's lag reaches 1e3-1e6)."""
 
 
 class AdamLagDetector:
@@ -275,18 +279,25 @@ class AdamLagDetector:
 
     def _threshold(self, name: str) -> float:
         """The lag that alarms on ``name``: ``lag``, or more for a module whose own baseline is heavy-tailed or
-        spread (``tail_factor`` x its peak, ``own_z`` robust sigmas over its median); an embedding (by
-        name) whose own history is still too short: never."""
+        spread (``tail_factor`` x its peak, ``own_z`` robust sigmas of its positive values over their median); at
+        least ``sparse_lag`` for a sparse-gradient module (no gradient, a ratio of 0, on ``sparse_zeros`` of its
+        records: an MoE expert no token was routed to; or an embedding by name); an embedding whose own history is
+        still too short: never."""
         cfg = self.config
         own = self._own.get(name)
         sparse = EMBEDDING_MODULE.search(split_signal(name)[1] or "") is not None
         if own is None or len(own) < cfg.own_min_points:
             return math.inf if sparse else cfg.lag
-        logs = np.log(np.maximum(np.fromiter(own, dtype=np.float64), 1e-12))
-        center = median(logs)
-        spread = max(1.4826 * median(np.abs(logs - center)), cfg.own_floor)
-        return max(cfg.sparse_lag if sparse else cfg.lag, cfg.tail_factor * self._peak.get(name, 0.0),
-                   safe_exp(center + cfg.own_z * spread))
+        values = np.fromiter(own, dtype=np.float64)
+        positive = values[values > 0]
+        sparse = sparse or len(positive) <= (1.0 - cfg.sparse_zeros) * len(values)
+        threshold = max(cfg.sparse_lag if sparse else cfg.lag, cfg.tail_factor * self._peak.get(name, 0.0))
+        if len(positive) >= cfg.own_min_points:
+            logs = np.log(positive)
+            center = median(logs)
+            spread = max(1.4826 * median(np.abs(logs - center)), cfg.own_floor)
+            threshold = max(threshold, safe_exp(center + cfg.own_z * spread))
+        return threshold
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
