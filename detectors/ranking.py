@@ -524,8 +524,9 @@ def _data_rules(finding: Finding, history: History, hints: _Hints, precursors: l
 
 def _reverted_rule(finding: Finding, history: History, hints: _Hints, recent: Sequence[Finding]) -> None:
     """A one-step jump that reverted at the next step (whichever signal jumped: loss, grad norm) is a bad batch
-    (0.9), unless the LR changed with it or another data-parallel replica disagrees at that step (then 0.5: the
-    LR / hardware rules say more)."""
+    (0.93: above the structural findings of an incident it may have joined, e.g. an unrelated vanishing-gradient
+    warning 70 steps earlier; below a loss-scale collapse, which makes overflow steps), unless the LR changed with
+    it or another data-parallel replica disagrees at that step (then 0.5: the LR / hardware rules say more)."""
     t0, lr = finding.onset, history.lr
     text = (f"one-step jump at step {t0} with no lasting effect: it reverted at the next step, not an instability "
             "of the run")
@@ -534,7 +535,7 @@ def _reverted_rule(finding: Finding, history: History, hints: _Hints, recent: Se
     elif any(f.kind == "rank_disagreement" and abs(f.step - t0) <= 1 for f in recent):
         hints.add("bad_batch", 0.5, f"{text}; but the data-parallel replicas disagree at that step")
     else:
-        hints.add("bad_batch", 0.9, text)
+        hints.add("bad_batch", 0.93, text)
 
 
 def _rollback(history: History, earliest: int) -> int | None:
