@@ -25,6 +25,12 @@ incident's earlier findings as precursors), ``rollback_step`` and ``skip_batches
 (:func:`~stability.detectors.ranking.rank_causes`). :attr:`RunDiagnoser.incidents` lists the fused
 incidents (what ``stability postmortem`` reports).
 
+On a step the fp16 scaler skipped (``skipped``, a loss-scale back-off, or an inf grad norm with a loss scale) every
+detector but the NaN and loss-scale ones, and the history, see the record without its gradient statistics, so an
+overflow feeds no baseline (:data:`SEES_SKIPPED_STEPS`). A warning/error stronger than the rank's last incident,
+within ``rediagnose_steps`` of its onset and with another first cause, re-diagnoses it: the finding carries
+``evidence["rediagnoses"]`` (the earlier onset) and the earlier incident's headline shows the new causes.
+
 With several ranks, a rank's warning/error findings are held until every known rank has reported their step (at
 most until some rank is ``hold_steps`` (2) steps past it; at most ``max_held`` findings), then ranked: a faulty
 rank that reports a step first is alerted with that step's cross-rank verdict (``hardware_fault``), not
