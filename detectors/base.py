@@ -9,14 +9,17 @@ resume exactly where it stopped. The same detector objects run online in the wor
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from stability.records import StepRecord
+from stability.records import StepRecord, split_signal
 
-__all__ = ["CauseHint", "Detector", "Finding", "Severity", "KINDS"]
+__all__ = ["CauseHint", "Detector", "Finding", "Severity", "KINDS", "STEP_STATISTICS", "is_skipped_step",
+           "without_step_statistics"]
 
 KINDS: tuple[str, ...] = (
     "nan",
@@ -134,3 +137,34 @@ class Detector(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state produced by :meth:`state_dict`."""
         ...
+
+
+STEP_STATISTICS = frozenset({"grad_norm", "nonfinite_grads", "update_ratio", "adam_v_ratio"})
+"""Quantities (global or ``<quantity>/<module>``) computed from a step's gradients or its update."""
+
+
+BACKOFF = 1.5
+"""A loss scale that fell by this factor or more backed off (scalers halve it on an overflow)."""
+
+
+def is_skipped_step(record: StepRecord, previous_scale: float | None) -> bool:
+    """Whether the fp16 loss scaler skipped this step: ``skipped > 0``, the loss scale backed off (fell :data:`BACKOFF`
+    x or more) from ``previous_scale`` (the rank's last recorded scale), or a loss scale is recorded and the grad norm
+    is not finite (the scaler's overflow check). On such a step the recorded gradients are the scaled ones or inf and no
+    update was applied: its gradient statistics describe the overflow, not the training."""
+    if record.get("skipped", 0.0) > 0:
+        return True
+    scale = record.get("loss_scale")
+    if not (math.isfinite(scale) and scale > 0):
+        return False
+    if previous_scale is not None and scale * BACKOFF < previous_scale:
+        return True
+    grad = record.signals.get("grad_norm")
+    return grad is not None and not math.isfinite(grad)
+
+
+def without_step_statistics(record: StepRecord) -> StepRecord:
+    """``record`` without its gradient / update statistics (:data:`STEP_STATISTICS`): what the baselines of the
+    detectors may see of a skipped step (the loss, the LR, the loss scale and ``skipped`` stay)."""
+    signals = {k: v for k, v in record.signals.items() if split_signal(k)[0] not in STEP_STATISTICS}
+    return dataclasses.replace(record, signals=signals)

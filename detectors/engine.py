@@ -25,6 +25,12 @@ incident's earlier findings as precursors), ``rollback_step`` and ``skip_batches
 (:func:`~stability.detectors.ranking.rank_causes`). :attr:`RunDiagnoser.incidents` lists the fused
 incidents (what ``stability postmortem`` reports).
 
+On a step the fp16 scaler skipped (``skipped``, a loss-scale back-off, or an inf grad norm with a loss scale) every
+detector but the NaN and loss-scale ones, and the history, see the record without its gradient statistics, so an
+overflow feeds no baseline (:data:`SEES_SKIPPED_STEPS`). A warning/error stronger than the rank's last incident,
+within ``rediagnose_steps`` of its onset and with another first cause, re-diagnoses it: the finding carries
+``evidence["rediagnoses"]`` (the earlier onset) and the earlier incident's headline shows the new causes.
+
 With several ranks, a rank's warning/error findings are held until every known rank has reported their step (at
 most until some rank is ``hold_steps`` (2) steps past it; at most ``max_held`` findings), then ranked: a faulty
 rank that reports a step first is alerted with that step's cross-rank verdict (``hardware_fault``), not
@@ -35,10 +41,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from stability.detectors.base import Detector, Finding, Severity
+from stability.detectors.base import Detector, Finding, Severity, is_skipped_step, without_step_statistics
 from stability.detectors.crossrank import CrossRankConfig, CrossRankDetector
 from stability.detectors.divergence import DivergenceConfig, DivergenceDetector
 from stability.detectors.fp16 import LossScaleConfig, LossScaleDetector
@@ -61,6 +68,11 @@ KIND_PRIORITY = ("rank_disagreement", "nan", "loss_spike", "divergence", "grad_e
                  "grad_vanishing", "attention_logit_growth", "logit_divergence", "activation_growth",
                  "update_ratio_jump", "adam_v_lag", "plateau")
 """Headline preference among findings of equal severity in one incident (the loss-level event names it)."""
+
+SEES_SKIPPED_STEPS = frozenset({"nan", "loss_scale"})
+"""Detectors that get the whole record of a step the fp16 scaler skipped (a non-finite loss is still a NaN event;
+overflow bursts are the loss-scale detector's business); every other detector and the history get it without its
+gradient statistics, so an overflow feeds no baseline (:meth:`_RankSuite.step_view`)."""
 
 MAX_KEPT_INCIDENTS = 16
 """Closed incidents per rank kept in :meth:`RunDiagnoser.state_dict` (all are kept in memory)."""
@@ -94,6 +106,9 @@ class DiagnoserConfig:
     ranked with the cross-rank verdict of that step), at most until another rank is this many steps ahead."""
     max_held: int = 64
     """At most this many findings wait (the oldest is released first)."""
+    rediagnose_steps: int = 100
+    """A warning/error within this many steps (onset to onset) of a weaker earlier incident of the same rank, with a
+    different first cause, re-diagnoses it (:meth:`RunDiagnoser._rediagnose`)."""
     history_steps: int = 256
     module_history_steps: int = 96
     max_series: int = 512
@@ -110,6 +125,8 @@ class Incident:
     end: int | None = None
     late_batches: list[str] = field(default_factory=list)
     """Batch ids of anomalous steps after the alert (known once the anomaly ended)."""
+    rediagnosed_by: int | None = None
+    """Step of the later, stronger finding whose causes replaced the headline's (None: its own diagnosis)."""
 
     @property
     def headline(self) -> Finding:
@@ -142,14 +159,15 @@ class Incident:
     def to_state(self) -> dict[str, Any]:
         """Plain data."""
         return {"rank": self.rank, "findings": [f.to_dict() for f in self.findings], "alerted": self.alerted.value,
-                "last_step": self.last_step, "end": self.end, "late_batches": self.late_batches}
+                "last_step": self.last_step, "end": self.end, "late_batches": self.late_batches,
+                "rediagnosed_by": self.rediagnosed_by}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Incident:
         """Inverse of :meth:`to_state`."""
         return cls(rank=int(state["rank"]), findings=[Finding.from_dict(f) for f in state["findings"]],
                    alerted=Severity(state["alerted"]), last_step=int(state["last_step"]), end=state["end"],
-                   late_batches=list(state.get("late_batches", [])))
+                   late_batches=list(state.get("late_batches", [])), rediagnosed_by=state.get("rediagnosed_by"))
 
 
 class _RankSuite:
@@ -173,11 +191,23 @@ class _RankSuite:
         """Host of the rank (from its latest record); every finding of the rank names it."""
         self.incident_record = -1
         """Value of ``records`` at the open incident's last finding."""
+        self.scale: float | None = None
+        """The rank's last recorded fp16 loss scale (a fall marks a skipped step)."""
+
+    def step_view(self, record: StepRecord) -> StepRecord:
+        """What the baselines may see of ``record``: without its gradient statistics on a step the fp16 scaler
+        skipped (:func:`~stability.detectors.base.is_skipped_step`); the record itself otherwise."""
+        skipped = is_skipped_step(record, self.scale)
+        scale = record.get("loss_scale")
+        if math.isfinite(scale) and scale > 0:
+            self.scale = scale
+        return without_step_statistics(record) if skipped else record
 
     def state_dict(self) -> dict[str, Any]:
         return {"detectors": {d.name: d.state_dict() for d in self.detectors}, "history": self.history.state_dict(),
                 "last_alert": {k: list(v) for k, v in self.last_alert.items()}, "last_step": self.last_step,
-                "records": self.records, "incident_record": self.incident_record, "host": self.host}
+                "records": self.records, "incident_record": self.incident_record, "host": self.host,
+                "scale": self.scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for detector in self.detectors:
@@ -189,6 +219,8 @@ class _RankSuite:
         self.records = int(state.get("records", 0))
         self.incident_record = int(state.get("incident_record", -1))
         self.host = str(state.get("host", ""))
+        scale = state.get("scale")
+        self.scale = None if scale is None else float(scale)
 
 
 class RunDiagnoser:
@@ -223,10 +255,11 @@ class RunDiagnoser:
         suite.last_step = record.step
         suite.records += 1
         suite.host = record.host or suite.host
-        suite.history.push(record)
+        view = suite.step_view(record)
+        suite.history.push(view)
         found: list[Finding] = []
         for detector in suite.detectors:
-            found.extend(detector.update(record))
+            found.extend(detector.update(record if detector.name in SEES_SKIPPED_STEPS else view))
         decided = self._crossrank.update(record)
         self._held += [(record.rank, f) for f in found]
         alerts += self._release()
@@ -300,6 +333,7 @@ class RunDiagnoser:
             ranking = rank_causes(raw, suite.history, recent)
             finding = dataclasses.replace(raw, causes=ranking.causes, rollback_step=ranking.rollback_step,
                                           skip_batches=ranking.skip_batches, host=raw.host or suite.host)
+            finding = self._rediagnose(rank, finding)
             if self._join(suite, rank, finding):
                 alerts.append(finding)
         return alerts
@@ -333,6 +367,32 @@ class RunDiagnoser:
             self.incidents.append(incident)
         suite.last_alert[finding.kind] = (finding.step, finding.severity.rank)
         return True
+
+    def _rediagnose(self, rank: int, finding: Finding) -> Finding:
+        """A warning/error stronger than the rank's last incident, within ``rediagnose_steps`` of its onset, whose
+        first cause differs: the later, stronger evidence supersedes the earlier diagnosis (the first thing an
+        operator read must not stay wrong). The finding gets ``evidence["rediagnoses"]`` = the earlier onset; the
+        earlier incident's headline takes the new causes (its report shows them, the old ones follow, scored no
+        higher) and records ``rediagnosed_by`` (when the finding joins that incident it becomes its headline)."""
+        earlier = self._open.get(rank)
+        if (earlier is None or finding.severity is Severity.INFO or not finding.causes
+                or finding.severity.rank <= earlier.alerted.rank
+                or not 0 <= finding.onset - earlier.onset <= self.config.rediagnose_steps):
+            return finding
+        head = earlier.headline
+        new = finding.causes[0]
+        if head.causes and head.causes[0].cause == new.cause:
+            return finding
+        finding = dataclasses.replace(finding, evidence={**finding.evidence, "rediagnoses": float(earlier.onset)})
+        note = f"re-diagnosed by the {finding.kind} {finding.severity.value} at step {finding.step}"
+        lowest = finding.causes[-1].score
+        causes = (dataclasses.replace(new, evidence=f"{note}: {new.evidence}"), *finding.causes[1:],
+                  *(dataclasses.replace(c, score=min(c.score, lowest)) for c in head.causes
+                    if c.cause not in {h.cause for h in finding.causes}))
+        index = next(i for i, f in enumerate(earlier.findings) if f is head)
+        earlier.findings[index] = dataclasses.replace(head, causes=causes)
+        earlier.rediagnosed_by = finding.step
+        return finding
 
     @staticmethod
     def _rerank(suite: _RankSuite, incident: Incident, head: Finding) -> None:

@@ -3,6 +3,10 @@
 Signals: ``loss_scale`` (the dynamic scale after the step) and ``skipped`` (1 when the optimizer step was skipped
 because of an overflow, else 0). Rules, per rank:
 
+* **Start-up calibration** (records starting at step <= ``settle_steps``): until the scale has held (or grown) for
+  ``settle_steps`` (50) steps, back-offs find
+  the starting scale (GradScaler's 2^16 is a guess; 2^19 -> 2^16 in 37 steps on a healthy fp16 CNN) and are no
+  collapse; the collapse rules measure from the settled scale.
 * **Collapse** (WARNING): the scale fell >= ``collapse_factor`` (8x) below its maximum over the last ``window``
   (100) steps, or it halved ``halvings`` (5) times in a row without growing in between, however slowly.
 * **Floor** (ERROR): the scale is at or below ``floor`` (1.0): gradients underflow, training is no longer fp16-safe.
@@ -46,6 +50,10 @@ class LossScaleConfig:
     burst_window: int = 20
     rearm_steps: int = 200
     """After an alarm, stay quiet until the scale has not fallen for this many steps."""
+    settle_steps: int = 50
+    """The scaler's start-up calibration: until the scale has held (or grown) for this many steps, its back-offs
+    only look for the right starting scale (an init scale of 2^16-2^19 is a guess) and are no collapse; the collapse
+    rules measure from the settled scale. The floor, skipped-step bursts and NaN rules apply from the start."""
 
 
 class LossScaleDetector:
@@ -64,6 +72,9 @@ class LossScaleDetector:
         self._at_floor = False
         self._nan_reported = False
         self._last_drop: int | None = None
+        self._settled = False
+        self._calibrating_since: int | None = None
+        """Step of the first scale record, then of each start-up back-off (until settled)."""
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
@@ -117,6 +128,8 @@ class LossScaleDetector:
             return out
         if scale > cfg.floor:
             self._at_floor = False
+        if not self._settle(step, scale, previous):
+            return out
         if self._fired_at is not None:
             return out
         peak_step, peak = max(self._scales, key=lambda p: (p[1], p[0]))
@@ -135,6 +148,24 @@ class LossScaleDetector:
                                  {"factor": factor, "scale": scale, "halvings": self._halvings}))
         return out
 
+    def _settle(self, step: int, scale: float, previous: float | None) -> bool:
+        """Whether the start-up calibration is over (see ``settle_steps``); when it ends, the collapse rules start
+        from the settled scale."""
+        if self._settled:
+            return True
+        grew = previous is not None and scale > previous * (1 + 1e-9)
+        if self._calibrating_since is None and step > self.config.settle_steps:
+            grew = True  # the records start mid-run (an excerpt, a resume): the scaler settled long ago
+        if self._calibrating_since is None or (previous is not None and scale < previous * (1 - 1e-9)):
+            self._calibrating_since = step
+        if not grew and step - self._calibrating_since < self.config.settle_steps:
+            return False
+        self._settled = True
+        self._halvings = 0.0
+        self._scales.clear()
+        self._scales.append((step, scale))
+        return True
+
     def _finding(self, record: StepRecord, severity: Severity, onset: int, signal: str, message: str,
                  evidence: dict[str, float]) -> Finding:
         value = record.get(signal)
@@ -150,7 +181,7 @@ class LossScaleDetector:
         """Plain-data state."""
         return {"scales": [list(p) for p in self._scales], "skips": list(self._skips), "halvings": self._halvings,
                 "fired_at": self._fired_at, "at_floor": self._at_floor, "nan_reported": self._nan_reported,
-                "last_drop": self._last_drop}
+                "last_drop": self._last_drop, "settled": self._settled, "calibrating_since": self._calibrating_since}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
@@ -161,3 +192,5 @@ class LossScaleDetector:
         self._at_floor = bool(state["at_floor"])
         self._nan_reported = bool(state["nan_reported"])
         self._last_drop = state["last_drop"]
+        self._settled = bool(state.get("settled", True))  # a state from before calibration existed: settled
+        self._calibrating_since = state.get("calibrating_since")

@@ -3,10 +3,15 @@
 * **Candidate**: robust z >= ``z_threshold`` (6) and ``grad_norm / baseline >= ratio_threshold`` (5x); with fewer
   than ``min_points`` points the ratio alone against the median of at least 2 points. Non-positive grad norms
   are treated as absent (some Megatron builds print ``0.000`` when the norm is not computed).
-* **Huge** (``ratio >= error_ratio``, 50x): ERROR at once.
+* **Huge** (``ratio >= error_ratio``, 50x) with the loss of the same record already up (>= ``loss_ratio``, 1.5x
+  its recent median): ERROR at once. A huge norm with a normal loss waits for the next record like any candidate.
 * **Confirmation** at the next record: still ``>= confirm_ratio`` (2.5x) over the frozen baseline, or the loss is
-  spiking -> ``grad_explosion`` WARNING (ERROR if the loss is also >= ``loss_ratio`` over its recent median).
-  Otherwise an isolated blip (the clean llm.c run has a 7.5x one at step 9025 whose next value is 1.26x): INFO.
+  spiking *now* -> ``grad_explosion`` WARNING (ERROR if the loss is >= ``loss_ratio`` over its recent median at
+  either record, or the norm was huge). Otherwise the jump reverted at once: the grad norm is back and so is the
+  loss, whatever both did on the one step (a bad batch: loss 2.3x with the norm 31x, or a 280x norm with the loss
+  unchanged), and the finding is INFO with ``evidence["reverted"]`` (ranked ``bad_batch``); the clean llm.c run has
+  such a 7.5x blip at step 9025 whose next value is 1.26x. A jump is a one-step event only if it reverts: one that
+  stays up is an error or a warning as above.
 * Per-layer ``grad_norm/<module>`` is not judged here: :data:`~stability.detectors.update.LAYER_GRAD` (a layer
   20x over its own level) alarms on it, and the ranking uses it (which layer moved first).
 """
@@ -85,9 +90,11 @@ class GradExplosionDetector:
         if self._pending is not None:
             cand, self._pending = self._pending, None
             ratio_now = safe_exp(y - cand["level"])
-            loss_spiking = max(cand["loss_ratio"], loss_ratio) >= self.config.loss_ratio
-            if ratio_now >= self.config.confirm_ratio or loss_spiking:
-                severity = Severity.ERROR if loss_spiking else Severity.WARNING
+            spiking_now = loss_ratio >= self.config.loss_ratio
+            if ratio_now >= self.config.confirm_ratio or spiking_now:
+                loss_spiking = spiking_now or cand["loss_ratio"] >= self.config.loss_ratio
+                huge = cand["ratio"] >= self.config.error_ratio
+                severity = Severity.ERROR if loss_spiking or huge else Severity.WARNING
                 self._active = {**cand, "last": record.step, "records": 0}
                 return [self._finding(record, cand, severity,
                                       f"rose {cand['ratio']:.1f}x over its baseline at step {cand['step']} and is "
@@ -95,10 +102,13 @@ class GradExplosionDetector:
                                       extra={"confirm_ratio": ratio_now, "loss_ratio": max(cand["loss_ratio"],
                                                                                          loss_ratio)})]
             self._base.accept(record.step, y)
+            what = f"one-step jump of {cand['ratio']:.1f}x at step {cand['step']}"
+            if cand["loss_ratio"] >= self.config.loss_ratio:
+                what += f" (the loss {cand['loss_ratio']:.2f}x on that step)"
             return [self._finding(record, cand, Severity.INFO,
-                                  f"isolated blip of {cand['ratio']:.1f}x at step {cand['step']}, back to "
-                                  f"{ratio_now:.1f}x at step {record.step}", end=cand["step"],
-                                  extra={"reverted": 1.0})]
+                                  f"{what}, back to {ratio_now:.1f}x at step {record.step} with the loss back too: "
+                                  "it reverted at once", end=cand["step"],
+                                  extra={"reverted": 1.0, "loss_ratio": cand["loss_ratio"]})]
         if len(self._base) < self.config.few_min_points:
             self._base.accept(record.step, y)
             return []
@@ -108,8 +118,8 @@ class GradExplosionDetector:
             return []
         ratio = safe_exp(y - pred.level)
         cand = {"step": record.step, "y": y, "level": pred.level, "ratio": ratio, "z": pred.z(y),
-                "points": pred.points, "loss_ratio": loss_ratio}
-        if ratio >= self.config.error_ratio:
+                "points": pred.points, "loss_ratio": loss_ratio, "rank": record.rank}
+        if ratio >= self.config.error_ratio and loss_ratio >= self.config.loss_ratio:
             self._active = {**cand, "last": record.step, "records": 0}
             return [self._finding(record, cand, Severity.ERROR, f"rose {ratio:.1f}x over its baseline",
                                   extra={"loss_ratio": loss_ratio})]
@@ -138,9 +148,19 @@ class GradExplosionDetector:
         return candidate_finding(self, "grad_norm", record, cand, severity, what, end=end, extra=extra)
 
     def finish(self) -> list[Finding]:
-        """Nothing to flush: an unconfirmed grad-norm candidate alone is not reported."""
-        self._pending = None
-        return []
+        """A huge (``>= error_ratio``) candidate that the end of the records left unconfirmed is reported as the
+        ERROR it would be if it did not revert (``evidence["unconfirmed"]``); a smaller one alone is not."""
+        cand, self._pending = self._pending, None
+        if cand is None or cand["ratio"] < self.config.error_ratio:
+            return []
+        baseline = safe_exp(cand["level"])
+        return [Finding(kind=self.kind, step=cand["step"], onset=cand["step"], severity=Severity.ERROR,
+                        signal="grad_norm", value=safe_exp(cand["y"]),
+                        message=f"grad_norm rose {cand['ratio']:.1f}x over its baseline {baseline:.4g} at step "
+                        f"{cand['step']}; the records end before it could be confirmed", detector=self.name,
+                        rank=cand.get("rank", 0), score=cand["ratio"],
+                        evidence={"ratio": cand["ratio"], "z": cand["z"], "baseline": baseline,
+                                  "loss_ratio": cand["loss_ratio"], "unconfirmed": 1.0})]
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""

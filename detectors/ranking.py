@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stability.detectors._stats import plural
-from stability.detectors.base import CauseHint, Finding
+from stability.detectors.base import CauseHint, Finding, Severity
 from stability.detectors.causes import remedy
 from stability.detectors.evidence import (
     Move,
@@ -189,7 +189,7 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
         precursors += _gradient_rules(finding, history, hints, event)
         _slow_rules(finding, history, hints, event)
         _overflow_rules(finding, history, hints, event)
-        _data_rules(finding, history, hints, precursors)
+        _data_rules(finding, history, hints, precursors, recent)
     hints.tie_break(history, t0)
     rollback = _rollback(history, min([t0] + [m.step for m in precursors]))
     return Ranking(hints.ranked(), rollback, _skip_batches(finding, history))
@@ -294,8 +294,7 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
                   first.signal if first is not None else "lr")
         found.append(rise)
     elif first is not None:
-        hints.add("lr_too_high", *_confirm(history, first, t0, 0.65, f"{describe(first, event)}; lr unchanged"),
-                  first.signal)
+        _unexplained_rise(finding, history, hints, first, event)
         _localized_attention(finding, history, hints, event, rises)
     if finding.kind == "update_ratio_jump" and not jumped:
         _update_jump_rule(finding, history, hints, [m for m in moves if m is not None])
@@ -341,6 +340,26 @@ def _warmup_rule(history: History, hints: _Hints, t0: int, event: str) -> None:
         hints.add("warmup_too_short", 0.3, f"the records start at step {first}, {plural(t0 - first, 'step')} before "
                                            f"{event}: the LR schedule before them is unknown (an instability soon "
                                            "after the warm-up is common)")
+
+
+CONTRADICTED = 0.15
+"""Score of a cause whose own evidence contradicts it: below ``unknown`` (0.2), so it is never the first cause."""
+
+
+def _unexplained_rise(finding: Finding, history: History, hints: _Hints, first: Move, event: str) -> None:
+    """Gradients or update ratios rose before the onset while the logged LR neither jumped nor rose.
+
+    For an error (the loss event lasted) the rise is the gradient outgrowing a constant LR: ``lr_too_high``
+    (0.65, "lr unchanged"). For an INFO or WARNING the unchanged LR contradicts an LR cause (an operator reads the
+    first cause first; a bad batch's own gradient is not an LR to lower): the hint is kept, scored below
+    ``unknown`` (:data:`CONTRADICTED`), and says so. With no LR logged, nothing contradicts it."""
+    t0 = finding.onset
+    if history.lr.records and finding.severity is not Severity.ERROR:
+        hints.add("lr_too_high", CONTRADICTED, f"{describe(first, event)}; but the logged lr did not change, which "
+                                               "contradicts an LR cause", first.signal)
+        return
+    what = "lr unchanged" if history.lr.records else "no lr logged"
+    hints.add("lr_too_high", *_confirm(history, first, t0, 0.65, f"{describe(first, event)}; {what}"), first.signal)
 
 
 def _adam_rule(history: History, hints: _Hints, t0: int, event: str, first: Move | None) -> Move | None:
@@ -481,10 +500,10 @@ def _overflow_rules(finding: Finding, history: History, hints: _Hints, event: st
         hints.add("fp16_loss_scale", 0.8, "; ".join(notes), "loss_scale")
 
 
-def _data_rules(finding: Finding, history: History, hints: _Hints, precursors: list[Move]) -> None:
+def _data_rules(finding: Finding, history: History, hints: _Hints, precursors: list[Move],
+                recent: Sequence[Finding] = ()) -> None:
     if finding.evidence.get("reverted"):
-        hints.add("bad_batch", 0.9, f"one-step jump at step {finding.onset} with no lasting effect: it reverted "
-                                    "at the next step, not an instability of the run")
+        _reverted_rule(finding, history, hints, recent)
         return
     if precursors:
         return
@@ -501,6 +520,22 @@ def _data_rules(finding: Finding, history: History, hints: _Hints, precursors: l
         hints.add("data_shift", 0.35, "the loss stayed elevated after the jump without a gradient precursor")
     elif finding.kind == "divergence":
         hints.add("data_shift", 0.5, "the loss level rose and stayed up without a gradient precursor")
+
+
+def _reverted_rule(finding: Finding, history: History, hints: _Hints, recent: Sequence[Finding]) -> None:
+    """A one-step jump that reverted at the next step (whichever signal jumped: loss, grad norm) is a bad batch
+    (0.93: above the structural findings of an incident it may have joined, e.g. an unrelated vanishing-gradient
+    warning 70 steps earlier; below a loss-scale collapse, which makes overflow steps), unless the LR changed with
+    it or another data-parallel replica disagrees at that step (then 0.5: the LR / hardware rules say more)."""
+    t0, lr = finding.onset, history.lr
+    text = (f"one-step jump at step {t0} with no lasting effect: it reverted at the next step, not an instability "
+            "of the run")
+    if lr.last_jump is not None and t0 - 2 <= lr.last_jump <= finding.step:
+        hints.add("bad_batch", 0.5, f"{text}; but the lr changed at step {lr.last_jump}")
+    elif any(f.kind == "rank_disagreement" and abs(f.step - t0) <= 1 for f in recent):
+        hints.add("bad_batch", 0.5, f"{text}; but the data-parallel replicas disagree at that step")
+    else:
+        hints.add("bad_batch", 0.93, text)
 
 
 def _rollback(history: History, earliest: int) -> int | None:

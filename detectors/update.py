@@ -27,6 +27,17 @@ dominated by larger layers, hardly moves. The cause is ranked like a loss spike'
 ``loss_ratio`` (1.3) x the median of the last 16 losses): a precursor. When the loss jumped at the same record, the
 lag is that batch's doing and the finding is INFO (the loss-spike finding tells the story).
 
+Each module is judged against its own baseline too (its values that raised no alarm): the lag must also be
+``tail_factor`` (2) x their peak (a running maximum that halves every ``peak_half_life`` (200) records) and ``own_z``
+(6) robust sigmas of their log over their median (the last ``own_window`` (128) of them). A dense layer's ratio stays
+near 1 with a small spread, so this changes nothing there; a sparse-gradient module (an ``nn.Embedding`` whose rarely
+seen rows have a decayed ``v``) has a heavy-tailed, widely spread ratio by nature and needs far more (the word-level
+LSTM false alarm at step 200 of a clean run). While a module has fewer than ``own_min_points`` (8) values, an embedding
+by name (:data:`EMBEDDING_MODULE`) is not judged. A sparse-gradient module needs at least ``sparse_lag`` (200): the
+first batch of its rare rows after a quiet stretch is a lag of 20-130 that no history foresees. Sparse is measured
+first (a ratio of exactly 0, no gradient, on ``sparse_zeros`` (10 %) of its records: an MoE expert no token was
+routed to, 0 -> 127 on a clean families-calib MoE run) and else taken from the name (an embedding), as a fallback.
+
 Calibration (evaluation corpus, seeds 0-4, tiny GPT with ``stats_every = 10``, generator v4): after the warm-up gate
 clean runs reach an update-ratio jump of 3.2x (z < 7) and an Adam lag of 8.8 at most; LR spikes give update-ratio
 jumps of 260-780x, LR ramps ~360x, attention-LR growth 46-90x; bad batches an Adam lag of 29-52 (with the loss 3-4x
@@ -39,6 +50,7 @@ ranks 33-1300x, LR spikes 18-180x. The real baselines carry none of these signal
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +62,10 @@ from stability.detectors.base import Finding, Severity
 from stability.detectors.history import LrTracker
 from stability.records import StepRecord, split_signal
 
-__all__ = ["LAYER_GRAD", "AdamLagConfig", "AdamLagDetector", "LayerJumpConfig", "LayerJumpDetector"]
+MAX_SERIES = 512
+"""Series with an own baseline (per rank)."""
+
+__all__ = ["EMBEDDING_MODULE", "LAYER_GRAD", "AdamLagConfig", "AdamLagDetector", "LayerJumpConfig", "LayerJumpDetector"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,10 +86,16 @@ class LayerJumpConfig:
     warmup_gate: float = 2.0
     cooldown: int = 20
     max_series: int = 512
+    confirm: bool = False
+    """Wait for the jumped series' next record: still ``>= confirm_ratio`` over its baseline -> WARNING, back
+    under it -> INFO with ``evidence["reverted"]`` (a one-step jump that reverted: a bad batch's gradient)."""
+    confirm_ratio: float = 2.5
+    max_wait: int = 100
+    """Steps to wait for that next record; past them the jump is reported unconfirmed (WARNING)."""
 
 
 LAYER_GRAD = LayerJumpConfig(quantity="grad_norm", kind="grad_explosion", name="layer_grad", modules_only=True,
-                             factor=20.0)
+                             factor=20.0, confirm=True)
 """Per-layer gradient explosions: a layer's ``grad_norm/<module>`` 20x over its own level (clean corpus: 1.6x)."""
 
 
@@ -93,13 +114,66 @@ class LayerJumpDetector:
         self.kind = self.config.kind
         self._series: dict[str, _Series] = {}
         self._lr = LrTracker()
+        self._pending: dict[str, Any] | None = None
+        """A jump waiting for its series' next record (``confirm``): step, rank, host, jumps, levels."""
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
+        out = self._judge_pending(record) if self._pending is not None else []
+        found = self._jumps(record)
+        if found is not None and self.config.confirm and self._pending is None:
+            self._pending = found
+            return out
+        return out + ([] if found is None else [self._finding(found, Severity.WARNING, found["step"])])
+
+    def _judge_pending(self, record: StepRecord) -> list[Finding]:
+        """The jumped series' next record: still up -> WARNING; all back -> INFO reverted; none yet -> wait."""
+        pending = self._pending
+        assert pending is not None
+        levels = pending["levels"]
+        now = {n: safe_exp(math.log(v) - levels[n]) for n, v in record.signals.items()
+               if n in levels and v > 0 and math.isfinite(v)}
+        if not now:
+            if record.step - pending["step"] <= self.config.max_wait:
+                return []
+            self._pending = None
+            return [self._finding(pending, Severity.WARNING, record.step, unconfirmed=True)]
+        self._pending = None
+        peak = max(now.values())
+        if peak >= self.config.confirm_ratio:
+            return [self._finding(pending, Severity.WARNING, record.step, confirm=peak)]
+        return [self._finding(pending, Severity.INFO, record.step, confirm=peak)]
+
+    def _finding(self, found: dict[str, Any], severity: Severity, step: int, *, confirm: float | None = None,
+                 unconfirmed: bool = False) -> Finding:
+        jumps = found["jumps"]
+        ratio, name, value, baseline, z = max(tuple(j) for j in jumps)
+        message = f"{name} jumped {ratio:.3g}x over its recent level ({baseline:.3g} -> {value:.3g})"
+        if len(jumps) > 1:
+            message += f"; {len(jumps) - 1} more layers jumped too"
+        evidence = {"ratio": ratio, "z": z, "baseline": baseline, "layers": float(len(jumps))}
+        end = None
+        if confirm is not None:
+            evidence["confirm_ratio"] = confirm
+            if severity is Severity.INFO:
+                evidence["reverted"] = 1.0
+                end = found["step"]
+                message += f"; back to {confirm:.3g}x at step {step}: a one-step jump that reverted"
+            else:
+                message += f"; still {confirm:.3g}x at step {step}"
+        if unconfirmed:
+            evidence["unconfirmed"] = 1.0
+        return Finding(kind=self.kind, step=step, onset=found["step"], severity=severity, signal=name,
+                       value=value, message=message, detector=self.name, rank=found["rank"], host=found["host"],
+                       end=end, score=ratio, evidence=evidence)
+
+    def _jumps(self, record: StepRecord) -> dict[str, Any] | None:
+        """This record's jumps, or ``None``."""
         cfg = self.config
         self._lr.update(record.step, record.get("lr"))
         warming = self._lr.in_warmup(record.step, cfg.warmup_gate)
         jumps: list[tuple[float, str, float, float, float]] = []
+        levels: dict[str, float] = {}
         for name, value in record.signals.items():
             quantity, module = split_signal(name)
             if quantity != cfg.quantity or (cfg.modules_only and module is None):
@@ -123,26 +197,24 @@ class LayerJumpDetector:
                 continue
             if series.quiet == 0 and not warming:
                 jumps.append((ratio, name, value, safe_exp(pred.level), z))
+                levels[name] = pred.level
             series.quiet = cfg.cooldown
         if not jumps:
-            return []
-        ratio, name, value, baseline, z = max(jumps)
-        message = f"{name} jumped {ratio:.3g}x over its recent level ({baseline:.3g} -> {value:.3g})"
-        if len(jumps) > 1:
-            message += f"; {len(jumps) - 1} more layers jumped too"
-        return [Finding(kind=self.kind, step=record.step, onset=record.step, severity=Severity.WARNING, signal=name,
-                        value=value, message=message, detector=self.name, rank=record.rank, host=record.host,
-                        score=ratio, evidence={"ratio": ratio, "z": z, "baseline": baseline,
-                                               "layers": float(len(jumps))})]
+            return None
+        return {"step": record.step, "rank": record.rank, "host": record.host, "jumps": [list(j) for j in jumps],
+                "levels": levels}
 
     def finish(self) -> list[Finding]:
-        """Nothing to flush."""
-        return []
+        """A jump still waiting for its confirmation is reported unconfirmed (WARNING)."""
+        if self._pending is None:
+            return []
+        pending, self._pending = self._pending, None
+        return [self._finding(pending, Severity.WARNING, pending["step"], unconfirmed=True)]
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
         return {"series": {n: {"base": s.base.state_dict(), "quiet": s.quiet} for n, s in self._series.items()},
-                "lr": self._lr.state_dict()}
+                "lr": self._lr.state_dict(), "pending": self._pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
@@ -152,7 +224,12 @@ class LayerJumpDetector:
             series.base.load_state_dict(st["base"])
             series.quiet = int(st["quiet"])
         self._lr.load_state_dict(state["lr"])
+        self._pending = state.get("pending")
 
+
+EMBEDDING_MODULE = re.compile(r"(^|[._])(wte|wpe|embed\w*|embedding\w*|\w*_emb|emb|encoder|tok\w*)$", re.IGNORECASE)
+"""Module names of embedding tables (nanoGPT ``wte``/``wpe``, HF ``embed_tokens``, pytorch/examples
+``word_language_model``'s ``encoder``): the fallback for sparse gradients while a module's own history is short."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,6 +241,25 @@ class AdamLagConfig:
     loss_window: int = 16
     warmup_gate: float = 2.0
     cooldown: int = 20
+    own_window: int = 128
+    """Records of a module's own ``adam_v_ratio`` kept as its baseline (values that raised no alarm)."""
+    own_min_points: int = 8
+    tail_factor: float = 2.0
+    """A lag must also be this many times the module's own peak (values that raised no alarm) ..."""
+    peak_half_life: float = 200.0
+    """... a running maximum that halves every this many of the module's records (a tail seen long ago fades)."""
+    own_z: float = 6.0
+    """... and this many robust sigmas (of its log values) over their median: a module whose ``g^2 / v`` is
+    heavy-tailed or widely spread by nature (sparse gradients: embedding rows that rarely get one, whose ``v`` has
+    decayed) needs more than a dense layer, whose ratio stays near 1."""
+    own_floor: float = 0.1
+    sparse_zeros: float = 0.1
+    """A module whose ratio is 0 (no gradient at all) on this share of its own records has sparse gradients."""
+    sparse_lag: float = 200.0
+    """The least lag that alarms on a sparse-gradient module (an embedding by name, :data:`EMBEDDING_MODULE`, or
+    an MoE expert that often gets no token): its rows get a gradient only when their tokens occur, so the first
+    batch of rare rows after a quiet stretch is a lag of 20-130 by nature, which its own history cannot foresee (a
+    corrupted replica's lag reaches 1e3-1e6)."""
 
 
 class AdamLagDetector:
@@ -177,6 +273,31 @@ class AdamLagDetector:
         self._lr = LrTracker()
         self._losses: deque[float] = deque(maxlen=self.config.loss_window)
         self._quiet: dict[str, int] = {}
+        self._own: dict[str, deque[float]] = {}
+        self._peak: dict[str, float] = {}
+        """series -> its recent values that raised no alarm (its own baseline)."""
+
+    def _threshold(self, name: str) -> float:
+        """The lag that alarms on ``name``: ``lag``, or more for a module whose own baseline is heavy-tailed or
+        spread (``tail_factor`` x its peak, ``own_z`` robust sigmas of its positive values over their median); at
+        least ``sparse_lag`` for a sparse-gradient module (no gradient, a ratio of 0, on ``sparse_zeros`` of its
+        records: an MoE expert no token was routed to; or an embedding by name); an embedding whose own history is
+        still too short: never."""
+        cfg = self.config
+        own = self._own.get(name)
+        sparse = EMBEDDING_MODULE.search(split_signal(name)[1] or "") is not None
+        if own is None or len(own) < cfg.own_min_points:
+            return math.inf if sparse else cfg.lag
+        values = np.fromiter(own, dtype=np.float64)
+        positive = values[values > 0]
+        sparse = sparse or len(positive) <= (1.0 - cfg.sparse_zeros) * len(values)
+        threshold = max(cfg.sparse_lag if sparse else cfg.lag, cfg.tail_factor * self._peak.get(name, 0.0))
+        if len(positive) >= cfg.own_min_points:
+            logs = np.log(positive)
+            center = median(logs)
+            spread = max(1.4826 * median(np.abs(logs - center)), cfg.own_floor)
+            threshold = max(threshold, safe_exp(center + cfg.own_z * spread))
+        return threshold
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
@@ -187,10 +308,14 @@ class AdamLagDetector:
             if split_signal(name)[0] != "adam_v_ratio" or not math.isfinite(value):
                 continue
             quiet = self._quiet.get(name, 0)
-            if value >= cfg.lag and quiet == 0:
+            threshold = self._threshold(name)
+            if value >= threshold and quiet == 0:
                 lags.append((value, name))
-            if value >= cfg.lag or quiet:
-                self._quiet[name] = cfg.cooldown if value >= cfg.lag else quiet - 1
+            if value >= threshold or quiet:
+                self._quiet[name] = cfg.cooldown if value >= threshold else quiet - 1
+            if value < threshold and (name in self._own or len(self._own) < MAX_SERIES):
+                self._own.setdefault(name, deque(maxlen=cfg.own_window)).append(value)
+                self._peak[name] = max(self._peak.get(name, 0.0) * 0.5 ** (1.0 / cfg.peak_half_life), value)
         alarm = bool(lags) and not self._lr.in_warmup(record.step, cfg.warmup_gate)
         loss = record.get("loss")
         typical = median(np.fromiter(self._losses, dtype=np.float64)) if alarm and self._losses else math.nan
@@ -217,10 +342,14 @@ class AdamLagDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
-        return {"lr": self._lr.state_dict(), "losses": list(self._losses), "quiet": dict(self._quiet)}
+        return {"lr": self._lr.state_dict(), "losses": list(self._losses), "quiet": dict(self._quiet),
+                "own": {k: list(v) for k, v in self._own.items()}, "peak": dict(self._peak)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self._lr.load_state_dict(state["lr"])
         self._losses = deque((float(v) for v in state["losses"]), maxlen=self.config.loss_window)
         self._quiet = {str(k): int(v) for k, v in state["quiet"].items()}
+        self._own = {str(k): deque((float(x) for x in v), maxlen=self.config.own_window)
+                     for k, v in state.get("own", {}).items()}
+        self._peak = {str(k): float(v) for k, v in state.get("peak", {}).items()}

@@ -139,11 +139,20 @@ def test_grad_explosion_warning_then_error_with_loss() -> None:
     assert diag.incidents[0].headline.kind == "loss_spike"
 
 
-def test_huge_grad_explosion_is_an_error_at_once() -> None:
+def test_huge_grad_explosion_is_an_error_at_once_with_the_loss_and_at_the_next_step_without() -> None:
     loss, grad = curve()
     grad[500] *= 100.0
+    loss[500] *= 2.0
     alerts, _ = run(records(loss, grad))
-    assert [(a.kind, a.step, a.severity) for a in alerts] == [("grad_explosion", 500, Severity.ERROR)]
+    assert [(a.kind, a.step, a.severity) for a in alerts][:1] == [("grad_explosion", 500, Severity.ERROR)]
+    loss, grad = curve()
+    grad[500:504] *= 100.0  # the loss has not moved yet: confirmed by the next record, still 100x
+    alerts, _ = run(records(loss, grad))
+    assert [(a.kind, a.onset, a.step, a.severity) for a in alerts] == [("grad_explosion", 500, 501, Severity.ERROR)]
+    loss, grad = curve()
+    grad[500] *= 100.0  # one step, back at the next with the loss unchanged: a bad batch (INFO)
+    alerts, diag = run(records(loss, grad))
+    assert serious(alerts) == [] and diag.incidents[0].headline.causes[0].cause == "bad_batch"
 
 
 def test_isolated_grad_blip_is_info() -> None:

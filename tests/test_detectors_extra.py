@@ -327,10 +327,13 @@ def test_adam_lag_is_a_warning_before_the_loss_moves_and_info_when_the_batch_alr
 
 def test_one_layer_exploding_inside_a_calm_global_norm_is_a_grad_explosion_naming_it() -> None:
     s = base()  # four layers with per-layer grad norms every step; the global norm is a separate series
-    s["grad_norm/h.0"][500] *= 60.0  # a small layer explodes; the global norm (dominated by others) is unchanged
+    s["grad_norm/h.0"][500:504] *= 60.0  # a small layer explodes; the global norm (dominated by others) is unchanged
     s["grad_norm/h.3"][700] *= 12.0  # a 12x blip: under the 20x rule (bad batches reach 6-12x per layer)
-    alerts, _ = diagnose(to_records(s))
+    s["grad_norm/h.1"][800] *= 60.0  # one step, back at the next: a bad batch's gradient (INFO, reverted)
+    alerts, diag = diagnose(to_records(s))
     layer = [a for a in alerts if a.kind == "grad_explosion"]
-    assert [(a.step, a.signal, a.severity, a.detector) for a in layer] == [
-        (500, "grad_norm/h.0", Severity.WARNING, "layer_grad")]
-    assert "grad_norm/h.0 jumped" in layer[0].message
+    assert [(a.onset, a.step, a.signal, a.severity, a.detector) for a in layer] == [
+        (500, 501, "grad_norm/h.0", Severity.WARNING, "layer_grad"),  # confirmed by the next record
+        (800, 801, "grad_norm/h.1", Severity.INFO, "layer_grad")]
+    assert "grad_norm/h.0 jumped" in layer[0].message and "still" in layer[0].message
+    assert layer[1].evidence["reverted"] == 1.0 and diag.incidents[-1].headline.causes[0].cause == "bad_batch"
