@@ -79,6 +79,8 @@ Extension API for framework adapters (``stability.hooks.deepspeed``, ``.hf``, ``
   ``backward()`` patch for that step are ignored.
 * ``capture.end_step(skipped=...)``: ``skipped`` may be a bool, a float or a device tensor (0/1).
 * ``capture.begin_step(grads, layers=False)``: no per-layer gradient norms this step (gradients not available).
+* ``use_framework(..., loss_divided=False)``: the tensors a torch-style ``loss.backward()`` runs on are *not* divided
+  by the accumulation steps (DeepSpeed scales gradients itself): ``loss`` is their mean, not their sum.
 * ``use_framework(..., own_loss=False)``: the ``backward()`` patch never supplies ``loss`` (Megatron's pipeline
   stages call ``backward()`` on activations); only :meth:`Capture.observe_loss` / ``observe("loss", ...)`` do.
 * ``capture.set_coords({"dp": 1, "dp_size": 2, ...})``: parallel coordinates added to every later record.
@@ -247,6 +249,7 @@ class Capture:
         self._own_grad_norm = True
         self._param_stats = True
         self._own_loss = True
+        self._loss_divided = True
         self._rhythm = Rhythm()
         self._backward_calls = 0
         self._warned_blind = False
@@ -339,9 +342,11 @@ class Capture:
         grad_norm: bool = True,
         param_stats: bool = True,
         own_loss: bool = True,
+        loss_divided: bool = True,
     ) -> None:
         """Let framework adapter ``name`` feed this capture; see the module docstring. Never raises."""
         self._own_loss = own_loss
+        self._loss_divided = loss_divided
         self._use_framework(name, model, optimizer, drive_steps, grad_norm, param_stats)
 
     def release_framework(self, name: str) -> None:
@@ -352,6 +357,7 @@ class Capture:
             self._own_grad_norm = True
             self._param_stats = True
             self._own_loss = True
+            self._loss_divided = True
 
     def begin_step(self, grads: Sequence[torch.Tensor | None] | None = None, *, layers: bool = True) -> None:
         """The current step's gradients are final: measure them (``grads`` aligned with :attr:`measured_params`,
@@ -888,7 +894,7 @@ class Capture:
             losses = torch.stack([x.to(device, non_blocking=True) for x in own])
             # a framework's micro-batch losses are not divided by the accumulation steps: their mean is the loss;
             # the tensors a plain loop calls backward() on are (nanoGPT, HF: loss / accumulation steps): their sum
-            total = losses.mean() if framework or len(own) == 1 else losses.sum()
+            total = losses.mean() if framework or len(own) == 1 or not self._loss_divided else losses.sum()
             state.parts.append((["loss"], total.reshape(1)))
             state.host["micro_batches"] = float(len(own))
         call = self._scaler_call

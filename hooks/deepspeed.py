@@ -102,6 +102,7 @@ class DeepSpeedAttachment:
             drive_steps=True,
             grad_norm=self.own_grad_norm,
             param_stats=self.stage < 3,
+            loss_divided=False,  # the engine divides gradients by the accumulation steps itself
         )
         capture.set_coords(self._coords())
         self._wrap("backward", self._backward)
