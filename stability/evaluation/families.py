@@ -103,6 +103,9 @@ class FamilySpec:
     stats_every: int = 10
     growth_interval: int = 100
     """GradScaler growth interval (fp16): a healthy back-off about every this many steps."""
+    variant: str = ""
+    """``bad_batch``: ``constant`` = every row one token (padding-like: the gradient spikes much harder than the
+    loss); empty = random-token rows / shuffled labels / noisy targets."""
 
     def __post_init__(self) -> None:
         if self.fault not in FAULTS:
@@ -114,7 +117,10 @@ class FamilySpec:
 
     def key(self) -> str:
         """Cache key: a hash of every field and :data:`FAMILIES_VERSION`."""
-        blob = json.dumps({"families_v": FAMILIES_VERSION, **asdict(self)}, sort_keys=True).encode()
+        fields = asdict(self)
+        if not self.variant:  # added after the first runs were cached: absent from their keys
+            del fields["variant"]
+        blob = json.dumps({"families_v": FAMILIES_VERSION, **fields}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:20]
 
 
@@ -210,6 +216,8 @@ def spec_for(t: Template, seed: int, *, steps: int | None = None) -> FamilySpec:
         kw["duration"] = 1
         kw["magnitude"] = rng.uniform(0.3, 1.0) if fam in ("gpt_s", "gpt_m", "moe", "lstm") else _loguniform(
             rng, 0.03, 3.0)
+        if late:  # a padding-like batch: one token everywhere (frequent: loss ~1.1x; rare: ~3x; grad ~20x)
+            kw["variant"], kw["magnitude"] = "constant", rng.uniform(0.0, 1.0)
     elif f == "lr_spike":
         kw["fault_step"] = _prime_in(rng, int(n * 0.35), int(n * 0.75))
         kw["duration"] = rng.choice((1, 2, 3))
@@ -387,7 +395,8 @@ def _train_single(spec: FamilySpec) -> list[StepRecord]:
                 break  # the job died after the NaN
             _set_lr(spec, step, opt)
             in_fault = _in_fault(spec, step)
-            batch = task.bad(spec.magnitude) if spec.fault == "bad_batch" and in_fault else task.sample()
+            bad = spec.fault == "bad_batch" and in_fault
+            batch = task.bad(spec.magnitude, constant=spec.variant == "constant") if bad else task.sample()
             hook: Callable[[torch.Tensor], torch.Tensor] | None = None
             if spec.fault == "fp16_collapse" and in_fault:
                 factor = spec.magnitude * spec.growth ** (step - spec.fault_step)

@@ -28,7 +28,7 @@ from stability.evaluation.runner import STABILITY, Evaluation, Target, _fmt, _ta
 from stability.evaluation.scoring import EventOutcome, percentile
 from stability.records import encode
 
-__all__ = ["ONE_STEP_FAULTS", "export_calibration", "family_targets", "render_side_by_side"]
+__all__ = ["ONE_STEP_FAULTS", "export_calibration", "family_targets", "render_late", "render_side_by_side"]
 
 ONE_STEP_FAULTS = frozenset({"bad_batch", "lr_spike", "nan_data", "dp_rank"})
 
@@ -83,6 +83,22 @@ def family_targets(ev: Evaluation, runs: Sequence[GeneratedRun]) -> list[Target]
         out.append(Target(name=f"faulty replica named, {ranks} replicas", want="every event",
                           got=f"{named}/{len(rank)}", ok=bool(rank) and named == len(rank)))
     return out
+
+
+def render_late(ev: Evaluation, runs: Sequence[GeneratedRun]) -> str:
+    """Events detected but later than their timing target (LR rise > 20 steps, slow divergence > 50 steps)."""
+    lines = ["Late (timing targets of issue #8):"]
+    for o in _of_fault(ev, runs, frozenset({"lr_drift"})):
+        alert = o.first_alert
+        if alert is None or alert.step - o.event.precursor_start > 20:
+            when = "no warning/error" if alert is None else f"first warning/error {alert.kind} at {alert.step}"
+            lines.append(f"  LR-RISE {o.run}: LR left its schedule at {o.event.precursor_start}, {when}")
+    for o in ev.scores[STABILITY].outcomes:
+        rise, alert = o.event.rise, o.first_alert
+        if rise is not None and (alert is None or alert.step - rise > 50):
+            when = "no warning/error" if alert is None else f"first warning/error {alert.kind} at {alert.step}"
+            lines.append(f"  SLOW-DIVERGENCE {o.run}: loss rose from {rise} (1.5x at {o.event.onset}), {when}")
+    return "\n".join(lines)
 
 
 def render_side_by_side(splits: Mapping[str, tuple[Evaluation, Sequence[GeneratedRun]]]) -> str:

@@ -205,10 +205,14 @@ class Task:
         y = torch.tanh(x @ self.w1) @ self.w2 + 0.05 * torch.randn(32, 4, generator=self.gen)
         return x, y
 
-    def bad(self, strength: float) -> Any:
+    def bad(self, strength: float, *, constant: bool = False) -> Any:
         """A degenerate batch; ``strength`` in (0, 1]: the corrupted fraction (LM: random-token rows), or a scale
-        (vision: labels shuffled and contrast x ``1 + 9 strength``; regression: targets + noise x ``30 strength``)."""
+        (vision: labels shuffled and contrast x ``1 + 9 strength``; regression: targets + noise x ``30 strength``).
+        ``constant`` (LMs): every position is token ``strength * (vocab - 1)`` (0 is the most frequent)."""
         if self.lm is not None:
+            if constant:
+                token = round(min(1.0, max(0.0, strength)) * (self.lm.vocab - 1))
+                return torch.full((self.lm.batch, self.lm.ctx + 1), token, dtype=torch.long)
             return self.lm.bad(min(1.0, strength))
         x, y = self.sample()
         if self.family == "cnn":

@@ -295,7 +295,12 @@ def _main_families(args: argparse.Namespace, out: TextIO, progress: Callable[[st
     """``--corpus families``: generate/score one split (or both, side by side), or the CI subset."""
     from stability.evaluation.families import calib_specs, generate_families, test_specs
     from stability.evaluation.families import ci_specs as family_ci
-    from stability.evaluation.family_eval import export_calibration, family_targets, render_side_by_side
+    from stability.evaluation.family_eval import (
+        export_calibration,
+        family_targets,
+        render_late,
+        render_side_by_side,
+    )
 
     protocol = Protocol(any_severity=True)
     splits = ["ci"] if args.ci else ["calib", "test"] if args.split == "all" else [args.split]
@@ -314,7 +319,7 @@ def _main_families(args: argparse.Namespace, out: TextIO, progress: Callable[[st
         done[split] = (ev, runs)
         print(render(ev, goals, f"Targets (issue #8), families corpus, split {split}"), file=out)
         if args.misses:
-            print("\n" + render_misses(ev), file=out)
+            print("\n" + render_misses(ev) + "\n" + render_late(ev, runs), file=out)
         print(file=out)
     if len(done) > 1:
         print(render_side_by_side({"calibration" if k == "calib" else k: v for k, v in done.items()}), file=out)
