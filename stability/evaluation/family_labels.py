@@ -9,10 +9,12 @@ losses, recovery under 1.2x, at most 60 steps). Additions:
 * ``lr_spike`` that moves the loss < 1.5x: an ``lr_spike`` event (cause ``lr_too_high``, INFO detects it) over the
   injected steps: the defining signal is the LR itself.
 * ``lr_drift`` / ``attn_growth``: ``divergence`` with ``precursor_start`` = the LR's departure from its schedule,
-  ``onset`` = the first loss >= 1.5x, and ``rise`` = the step the loss first rose sustainedly: after the lowest
-  10-step running median between the departure and the onset, the first step from which that running median stays
-  >= 5 % above the low until the onset. An ``attn_growth`` whose loss stays under 1.5x while the max attention
-  logit reached 4x its pre-fault median is an ``attention_growth`` event (its defining signal), onset at the 4x.
+  ``onset`` = the first step whose 10-step running median loss is >= 1.5x the pre-fault median (or a non-finite
+  loss: one noisy batch of a regressor is not a divergence), and ``rise`` = the step the loss first rose
+  sustainedly: after the lowest 10-step running median between the departure and the onset, the first step from
+  which that running median stays >= 5 % above the low until the onset. An ``attn_growth`` whose loss stays under
+  1.5x while the max attention logit reached 4x its pre-fault median is an ``attention_growth`` event (its
+  defining signal), onset at the 4x.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def label_family(spec: FamilySpec, records: Sequence[StepRecord]) -> list[Event]
         return _spike(spec, records, loss, base, last)
     if spec.fault in ("lr_drift", "attn_growth"):
         cause = "lr_too_high" if spec.fault == "lr_drift" else "attention_logit_growth"
-        onset = _first(loss, f0, last, lambda v: not math.isfinite(v) or v >= SPIKE_FACTOR * base)
+        level = _running_median(loss, f0, last)  # a slow divergence is a sustained level, not one noisy batch
+        onset = _first(level, f0, last, lambda v: not math.isfinite(v) or v >= SPIKE_FACTOR * base)
         if onset is None:
             return _attention_only(spec, records, last) if spec.fault == "attn_growth" else []
         rise = sustained_rise(loss, f0, onset)
@@ -125,13 +128,24 @@ def _spike(spec: FamilySpec, records: Sequence[StepRecord], loss: dict[int, floa
     return [Event(kind="loss_spike", cause=cause, onset=onset, end=end, precursor_start=f0, note=note)]
 
 
+def _running_median(loss: dict[int, float], start: int, stop: int, width: int = 10) -> dict[int, float]:
+    """The median of the last ``width`` losses at each recorded step in ``[start, stop]``; a non-finite loss is
+    kept as it is (a NaN is the event)."""
+    out: dict[int, float] = {}
+    for t in range(start, stop + 1):
+        if t not in loss:
+            continue
+        if not math.isfinite(loss[t]):
+            out[t] = loss[t]
+            continue
+        window = sorted(v for s in range(t - width + 1, t + 1) if math.isfinite(v := loss.get(s, math.nan)))
+        out[t] = window[len(window) // 2]
+    return out
+
+
 def sustained_rise(loss: dict[int, float], start: int, onset: int, width: int = 10) -> int:
     """The step the loss first rose sustainedly between ``start`` and ``onset`` (see the module docstring)."""
-    smooth: dict[int, float] = {}
-    for t in range(start, onset + 1):
-        window = sorted(v for s in range(t - width + 1, t + 1) if math.isfinite(v := loss.get(s, math.nan)))
-        if window:
-            smooth[t] = window[len(window) // 2]
+    smooth = {t: v for t, v in _running_median(loss, start, onset, width).items() if math.isfinite(v)}
     if not smooth:
         return onset
     low_step = min(smooth, key=lambda t: (smooth[t], t))
