@@ -334,3 +334,15 @@ def test_families_generator_is_deterministic_and_faults_are_found_at_some_severi
         found[o["kind"]] = found.get(o["kind"], False) or o["alert_step"] is not None
     assert set(found) >= {"divergence", "nan", "grad_vanishing", "loss_scale_collapse", "cross_rank"}
     assert all(found.values()), found
+
+
+def test_real_logs_are_dealt_to_both_splits_deterministically():
+    from stability.evaluation.labels import EXCERPTS, real_split
+
+    (c_clean, c_ex), (t_clean, t_ex) = real_split("calib"), real_split("test")
+    assert set(c_clean).isdisjoint(t_clean) and set(c_clean) | set(t_clean) == set(CLEAN_BASELINES)
+    assert len(t_clean) >= len(c_clean) >= 3
+    assert not set(c_ex) & set(t_ex) and len(c_ex) + len(t_ex) == len(EXCERPTS) and len(t_ex) >= len(c_ex)
+    assert real_split("all") == (CLEAN_BASELINES, EXCERPTS)
+    with pytest.raises(ValueError):
+        real_split("train")
