@@ -182,6 +182,7 @@ def ci_eval(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     return cache, json.loads(out_json.read_text()), stdout.getvalue()
 
 
+@pytest.mark.timeout(900)  # generates a corpus: minutes on a loaded machine
 def test_reduced_corpus_is_labelled_from_real_captured_training_and_cached(ci_eval):
     cache, _, _ = ci_eval
     start = time.perf_counter()
@@ -216,6 +217,7 @@ def test_reduced_corpus_is_labelled_from_real_captured_training_and_cached(ci_ev
     assert runs["lr-spike-s0"].events[0].onset >= 180 and runs["lr-spike-s0"].events[0].precursor_start == 180
 
 
+@pytest.mark.timeout(900)  # generates a corpus: minutes on a loaded machine
 def test_reduced_corpus_regression(ci_eval):
     _, result, table = ci_eval
     stab, megatron = result["scores"]["stability"], result["scores"]["megatron-10x"]
@@ -282,6 +284,7 @@ def families_ci(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, s
     return cache, json.loads(out_json.read_text()), stdout.getvalue()
 
 
+@pytest.mark.timeout(900)  # generates a corpus: minutes on a loaded machine
 def test_families_ci_runs_are_labelled_from_their_injection(families_ci):
     from stability.evaluation.families import ci_specs, generate_families
 
@@ -319,6 +322,7 @@ def test_families_ci_runs_are_labelled_from_their_injection(families_ci):
     assert lr[spec.fault_step + 100] > 4 * lr[spec.fault_step - 1]  # x1.015-1.02 per step
 
 
+@pytest.mark.timeout(900)  # generates a corpus: minutes on a loaded machine
 def test_families_generator_is_deterministic_and_faults_are_found_at_some_severity(families_ci):
     from stability.evaluation.families import ci_specs, generate_family_run, load_cached
 
