@@ -126,9 +126,10 @@ def render_side_by_side(splits: Mapping[str, tuple[Evaluation, Sequence[Generate
             k = e.scores[STABILITY].kinds.get(kind)
             vals.append("-" if k is None else f"{k.detected}/{k.events} (delay {_fmt(k.median_delay, 1)})")
         row(f"  {kind}", vals)
-    goals = [family_targets(*splits[n]) for n in names]
-    for i, t in enumerate(goals[0]):
-        row(f"target: {t.name}", [f"{g[i].got} {'PASS' if g[i].ok else 'FAIL'}" for g in goals])
+    goals = [{t.name: t for t in family_targets(*splits[n])} for n in names]
+    for name in dict.fromkeys(t for g in goals for t in g):
+        row(f"target: {name}", [f"{g[name].got} {'PASS' if g[name].ok else 'FAIL'}" if name in g else "-"
+                                 for g in goals])
     return "Families corpus, stability by split\n" + _table(["", *names], rows)
 
 
