@@ -8,6 +8,8 @@ losses, recovery under 1.2x, at most 60 steps). Additions:
   bad-batch event notes its loss and gradient ratios (e.g. ``loss x2.3, grad x31``).
 * ``lr_spike`` that moves the loss < 1.5x: an ``lr_spike`` event (cause ``lr_too_high``, INFO detects it) over the
   injected steps: the defining signal is the LR itself.
+* ``lr_drift`` whose loss never reaches 1.5x (the run ends first): an ``lr_rise`` event (cause ``lr_too_high``)
+  from the departure to the end: the defining signal is the LR itself.
 * ``lr_drift`` / ``attn_growth``: ``divergence`` with ``precursor_start`` = the LR's departure from its schedule,
   ``onset`` = the first step whose 10-step running median loss is >= 1.5x the pre-fault median (or a non-finite
   loss: one noisy batch of a regressor is not a divergence), and ``rise`` = the step the loss first rose
@@ -69,8 +71,11 @@ def label_family(spec: FamilySpec, records: Sequence[StepRecord]) -> list[Event]
         cause = "lr_too_high" if spec.fault == "lr_drift" else "attention_logit_growth"
         level = _running_median(loss, f0, last)  # a slow divergence is a sustained level, not one noisy batch
         onset = _first(level, f0, last, lambda v: not math.isfinite(v) or v >= SPIKE_FACTOR * base)
-        if onset is None:
-            return _attention_only(spec, records, last) if spec.fault == "attn_growth" else []
+        if onset is None:  # the loss never diverged: the defining signal is the LR (or attention logits) itself
+            if spec.fault == "attn_growth":
+                return _attention_only(spec, records, last)
+            return [Event(kind="lr_rise", cause=cause, onset=f0, end=last, precursor_start=f0,
+                          note=f"x{spec.magnitude:.4g} per step from {f0}; loss never 1.5x")]
         rise = sustained_rise(loss, f0, onset)
         return [Event(kind="divergence", cause=cause, onset=onset, end=last, precursor_start=f0, rise=rise,
                       note=f"x{spec.magnitude:.4g} per step from {f0}; sustained loss rise at {rise}")]
