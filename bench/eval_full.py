@@ -6,6 +6,10 @@ Run: ``python bench/eval_full.py [--json eval-full.json] [--cache DIR] [--misses
 model (about 5-10 minutes on one core); later runs read the msgpack cache (``$STABILITY_EVAL_CACHE`` or
 ``~/.cache/stability/eval``) and take well under a minute. Same output as ``python -m stability.evaluation --full``:
 the per-kind table, the overall table and the issue #4 targets with pass/fail (docs/evaluation.md).
+
+``python bench/eval_full.py --corpus families --split all [--json fam.json] [--misses]`` scores the families corpus
+instead (issue #8: calibration and frozen test split side by side, the issue #8 targets; ``--full`` has no effect
+there): about 6 + 10 minutes of training on an idle core the first time, then cached.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ corpus end to end (real CPU training through the real capture, real logs) as a r
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 import time
@@ -181,6 +182,7 @@ def ci_eval(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     return cache, json.loads(out_json.read_text()), stdout.getvalue()
 
 
+@pytest.mark.timeout(900)  # generates a corpus: minutes on a loaded machine
 def test_reduced_corpus_is_labelled_from_real_captured_training_and_cached(ci_eval):
     cache, _, _ = ci_eval
     start = time.perf_counter()
@@ -215,6 +217,7 @@ def test_reduced_corpus_is_labelled_from_real_captured_training_and_cached(ci_ev
     assert runs["lr-spike-s0"].events[0].onset >= 180 and runs["lr-spike-s0"].events[0].precursor_start == 180
 
 
+@pytest.mark.timeout(900)  # generates a corpus: minutes on a loaded machine
 def test_reduced_corpus_regression(ci_eval):
     _, result, table = ci_eval
     stab, megatron = result["scores"]["stability"], result["scores"]["megatron-10x"]
@@ -236,3 +239,115 @@ def test_reduced_corpus_regression(ci_eval):
 def test_module_main_entry_point_is_exposed():
     assert callable(main)
     assert len(CLEAN_BASELINES) == 7
+
+
+# ------------------------------------------------------------------------------------------------ families corpus
+def test_families_splits_are_disjoint_varied_unaligned_and_the_test_split_is_frozen():
+    from stability.evaluation.families import FAMILIES_VERSION, calib_specs, manifest, test_specs
+
+    calib, test = calib_specs(), test_specs()
+    assert len(test) >= len(calib) > 0
+    assert not {s.name for s in calib} & {s.name for s in test}
+    assert not {s.key() for s in calib} & {s.key() for s in test}
+    assert {s.seed for s in calib}.isdisjoint({s.seed for s in test})
+    assert len({s.family for s in test}) >= 5 and len({s.family for s in calib}) >= 5
+    assert {"adamw", "sgd"} <= {s.optimizer for s in test} and len({s.optimizer for s in test}) >= 3
+    assert {"cosine", "linear", "wsd", "step", "restarts", "drop"} <= {s.schedule for s in test}
+    assert {s.precision for s in test} == {"fp32", "bf16", "fp16"}
+    assert {s.ranks for s in test} == {1, 2, 4, 8}
+    assert max(s.steps for s in test) >= 5000
+    faulty = [s for s in test if s.fault not in ("clean", "vanishing", "short_warmup")]
+    assert all(s.fault_step % s.stats_every for s in faulty)  # never on a sampled step by construction
+    for fault in ("lr_spike", "dp_rank", "fp16_collapse"):  # magnitudes spread over about two orders
+        mags = [s.magnitude for s in calib + test if s.fault == fault]
+        assert max(mags) / min(mags) > 10, fault
+    dp = [s for s in test if s.fault == "dp_rank"]
+    assert {s.ranks for s in dp} == {2, 4, 8}
+    assert calib_specs() == calib and test_specs() == test  # the seeds decide every draw
+    frozen = json.loads((Path(__file__).resolve().parents[1] / "docs" / "test-corpus-manifest.json").read_text())
+    assert frozen == manifest() and frozen["families_version"] == FAMILIES_VERSION
+
+
+@pytest.fixture(scope="module")
+def families_ci(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
+    """The families CI subset generated once (real capture) and scored by ``main --corpus families --ci``."""
+    cache = tmp_path_factory.mktemp("families-cache")
+    out_json = cache / "eval.json"
+    stdout = io.StringIO()
+    import stability.evaluation.runner as runner
+
+    start = time.perf_counter()
+    rc = runner.main(["--corpus", "families", "--ci", "--cache", str(cache), "--json", str(out_json), "--misses",
+                      "-q"], out=stdout)
+    assert rc == 0
+    assert time.perf_counter() - start < 600  # about 60 s on an idle core
+    return cache, json.loads(out_json.read_text()), stdout.getvalue()
+
+
+@pytest.mark.timeout(900)  # generates a corpus: minutes on a loaded machine
+def test_families_ci_runs_are_labelled_from_their_injection(families_ci):
+    from stability.evaluation.families import ci_specs, generate_families
+
+    cache, _, table = families_ci
+    assert "Targets (issue #8)" in table and "faulty replica named, 8 replicas" in table
+    runs = {r.name: r for r in generate_families(ci_specs(), cache)}
+    assert all(r.seconds == 0 for r in runs.values())  # cached
+    kinds = {r.spec.fault: {e.kind for e in r.events} for r in runs.values()}
+    assert kinds["clean"] == set()
+    assert kinds["bad_batch"] <= {"bad_batch", "loss_spike"} and kinds["bad_batch"]
+    assert kinds["lr_spike"] <= {"loss_spike", "lr_spike"} and kinds["lr_spike"]
+    assert kinds["lr_drift"] == {"divergence"} and kinds["fp16_collapse"] == {"loss_scale_collapse"}
+    assert kinds["attn_growth"] <= {"divergence", "attention_growth"} and kinds["attn_growth"]
+    assert kinds["nan_data"] == {"nan"} and kinds["vanishing"] == {"grad_vanishing"}
+    assert kinds["short_warmup"] <= {"loss_spike", "divergence"} and kinds["short_warmup"]
+    for run in runs.values():
+        spec = run.spec
+        assert {r.rank for r in run.records} == set(range(spec.ranks))
+        for e in run.events:
+            assert e.precursor_start <= e.onset <= e.end
+            if spec.fault == "dp_rank":
+                assert e.kind == "cross_rank" and e.rank == spec.faulty_rank and e.onset == spec.fault_step
+            if spec.fault == "lr_drift":  # the LR left its schedule first, the loss rose later, then hit 1.5x
+                assert e.precursor_start == spec.fault_step and e.cause == "lr_too_high"
+                assert spec.fault_step < e.rise <= e.onset
+        if spec.precision == "fp16" and spec.fault == "clean":  # healthy back-offs: isolated skipped steps
+            skipped = [r.step for r in run.records if r.get("skipped", 0.0) > 0]
+            assert skipped and all(b - a > 1 for a, b in itertools.pairwise(skipped))
+        if spec.fault == "fp16_collapse":
+            (e,) = run.events
+            scale = {r.step: r.get("loss_scale") for r in run.records}
+            assert scale[e.end + 1] <= scale[e.onset] / 2 ** 4  # the scale kept falling
+    lr = {r.step: r.get("lr") for r in runs[next(n for n in runs if n.startswith("lr-drift"))].records}
+    spec = next(r.spec for r in runs.values() if r.spec.fault == "lr_drift")
+    assert lr[spec.fault_step + 100] > 4 * lr[spec.fault_step - 1]  # x1.015-1.02 per step
+
+
+@pytest.mark.timeout(900)  # generates a corpus: minutes on a loaded machine
+def test_families_generator_is_deterministic_and_faults_are_found_at_some_severity(families_ci):
+    from stability.evaluation.families import ci_specs, generate_family_run, load_cached
+
+    cache, result, _ = families_ci
+    spec = next(s for s in ci_specs() if s.fault == "lr_spike")
+    again = generate_family_run(spec)
+    cached = load_cached(cache, spec)
+    assert [r.signals for r in again.records] == [r.signals for r in cached.records]
+    assert again.events == cached.events
+    stab = result["ci"]["scores"]["stability"]
+    found: dict[str, bool] = {}
+    for o in stab["outcomes"]:  # one event of each class detected by any finding (INFO included)
+        found[o["kind"]] = found.get(o["kind"], False) or o["alert_step"] is not None
+    assert set(found) >= {"divergence", "nan", "grad_vanishing", "loss_scale_collapse", "cross_rank"}
+    assert all(found.values()), found
+
+
+def test_real_logs_are_dealt_to_both_splits_deterministically():
+    from stability.evaluation.labels import EXCERPTS, real_split
+
+    (c_clean, c_ex), (t_clean, t_ex) = real_split("calib"), real_split("test")
+    assert set(c_clean).isdisjoint(t_clean) and set(c_clean) | set(t_clean) == set(CLEAN_BASELINES)
+    assert len(t_clean) >= len(c_clean) >= 3
+    c_ids, t_ids = {id(e) for e in c_ex}, {id(e) for e in t_ex}
+    assert not c_ids & t_ids and c_ids | t_ids == {id(e) for e in EXCERPTS} and len(t_ex) >= len(c_ex)
+    assert real_split("all") == (CLEAN_BASELINES, EXCERPTS)
+    with pytest.raises(ValueError):
+        real_split("train")

@@ -61,7 +61,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import torch
@@ -71,6 +71,9 @@ from stability.evaluation.model import DeepMLP, MarkovData, TinyGPT, next_token_
 from stability.hooks.capture import Capture
 from stability.records import StepRecord, decode, encode
 from stability.testing import ListSink
+
+if TYPE_CHECKING:
+    from stability.evaluation.families import FamilySpec
 
 __all__ = [
     "FAULTS",
@@ -150,6 +153,9 @@ class Event:
     precursor_start: int
     rank: int | None = None
     """The faulty rank of a cross-rank event (None: not rank-specific)."""
+    rise: int | None = None
+    """Slow divergences (families corpus): the step the loss first rose sustainedly (``onset`` is when it reached
+    1.5x); the divergence target is measured from here."""
     info_ok: bool = False
     """An INFO finding detects it: a one-step batch outlier that reverts must not be alerted as an instability of
     the run (issue #4), but should be reported as ``bad_batch`` info."""
@@ -167,7 +173,7 @@ class GeneratedRun:
     source: str = "synthetic"
     seconds: float = 0.0
     """Generation time (0 when read from the cache)."""
-    spec: RunSpec | None = None
+    spec: RunSpec | FamilySpec | None = None
 
     @property
     def steps(self) -> int:

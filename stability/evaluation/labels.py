@@ -31,7 +31,7 @@ from stability.evaluation.corpus import Event, GeneratedRun
 from stability.postmortem import load_csv, load_csv_groups
 from stability.records import StepRecord
 
-__all__ = ["CLEAN_BASELINES", "EXCERPTS", "Excerpt", "coarse_views", "default_data_dir", "load_real"]
+__all__ = ["CLEAN_BASELINES", "EXCERPTS", "Excerpt", "coarse_views", "default_data_dir", "load_real", "real_split"]
 
 CLEAN_BASELINES: tuple[str, ...] = (
     "mng_llmc_gpt2_124M_2024-10-13.csv",
@@ -132,12 +132,31 @@ def default_data_dir() -> Path:
     return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "real-runs"
 
 
-def load_real(data_dir: Path | None = None, *, clean: bool = True, excerpts: bool = True) -> list[GeneratedRun]:
-    """The real corpus as runs (clean baselines with ``clean=True``, excerpts with their events)."""
+def real_split(split: str) -> tuple[tuple[str, ...], tuple[Excerpt, ...]]:
+    """The clean baselines and excerpts of one split of the families corpus (``calib``, ``test`` or ``all``).
+
+    Deterministic and independent of the data: the clean files sorted by name and the excerpts in
+    :data:`EXCERPTS` order are dealt alternately, the first to ``test`` (so the test side gets the odd one):
+    test = clean files 0, 2, 4, 6 and excerpts 0, 2, 4, ...; calibration = the others.
+    """
+    if split == "all":
+        return CLEAN_BASELINES, EXCERPTS
+    if split not in ("calib", "test"):
+        raise ValueError(f"unknown split {split!r}")
+    parity = 0 if split == "test" else 1
+    clean = tuple(n for i, n in enumerate(sorted(CLEAN_BASELINES)) if i % 2 == parity)
+    return clean, tuple(ex for i, ex in enumerate(EXCERPTS) if i % 2 == parity)
+
+
+def load_real(data_dir: Path | None = None, *, clean: bool = True, excerpts: bool = True,
+              split: str = "all") -> list[GeneratedRun]:
+    """The real corpus as runs (clean baselines with ``clean=True``, excerpts with their events); ``split``
+    ``calib`` / ``test`` keeps one side of :func:`real_split`."""
     root = data_dir or default_data_dir()
+    clean_files, chosen = real_split(split)
     runs = []
     if clean:
-        for name in CLEAN_BASELINES:
+        for name in clean_files:
             path = root / name
             if path.exists():
                 records = load_csv(path)
@@ -145,7 +164,7 @@ def load_real(data_dir: Path | None = None, *, clean: bool = True, excerpts: boo
                 runs.extend(GeneratedRun(name=f"{path.stem}@{view}", records=recs, clean=True, source="real-clean")
                             for view, recs in coarse_views(records).items())
     if excerpts:
-        for ex in EXCERPTS:
+        for ex in chosen:
             path = root / ex.file
             if not path.exists():
                 continue

@@ -13,7 +13,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -75,6 +75,8 @@ class Evaluation:
     runs: int
     records: int
     seconds: float
+    alert_recall: float = math.nan
+    """With ``Protocol.any_severity``: stability's recall counting warnings/errors only (for comparison)."""
 
 
 def _result(run: GeneratedRun, alarms: list[Alarm]) -> RunResult:
@@ -101,9 +103,13 @@ def evaluate(runs: Sequence[GeneratedRun], protocol: Protocol | None = None,
                 continue
             causes = maxz_causes(run.records, event.onset, rank=event.rank)
             n, a1, a3 = n + 1, a1 + (event.cause in causes[:1]), a3 + (event.cause in causes[:3])
+    alert_recall = math.nan
+    if protocol is not None and protocol.any_severity and STABILITY in results:
+        alert_recall = score(results[STABILITY], replace(protocol, any_severity=False)).recall
     return Evaluation(scores={name: score(res, protocol) for name, res in results.items()},
                       maxz=MaxZ(events=n, ac1=a1, ac3=a3), runs=len(runs),
-                      records=sum(len(r.records) for r in runs), seconds=time.perf_counter() - start)
+                      records=sum(len(r.records) for r in runs), seconds=time.perf_counter() - start,
+                      alert_recall=alert_recall)
 
 
 # ------------------------------------------------------------------------------------------------ targets
@@ -168,8 +174,8 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line, "  ".join("-" * w for w in widths), *body])
 
 
-def render(ev: Evaluation) -> str:
-    """The tables as plain text (monospace)."""
+def render(ev: Evaluation, goals: Sequence[Target] | None = None, title: str = "Targets (issue #4)") -> str:
+    """The tables as plain text (monospace); ``goals`` replaces the issue #4 targets (with ``title``)."""
     kinds = [k for k in KIND_ORDER if any(k in s.kinds for s in ev.scores.values())]
     kinds += sorted({k for s in ev.scores.values() for k in s.kinds} - set(kinds))
     parts = [f"corpus: {ev.runs} runs, {ev.records} records; scored in {ev.seconds:.1f} s", "",
@@ -205,9 +211,10 @@ def render(ev: Evaluation) -> str:
                  _fmt(ev.maxz.ac3_rate), "-"])
     parts.append(_table(["detector", "recall", "FA clean", "synth / real", "FA segments", "precursor", "lead med",
                          "random", "ratio", "AC@1", "AC@3", "rank named"], rows))
-    parts += ["", "Targets (issue #4)"]
+    parts += ["", title]
     parts.append(_table(["target", "want", "got", "pass"],
-                        [[t.name, t.want, t.got, "PASS" if t.ok else "FAIL"] for t in targets(ev)]))
+                        [[t.name, t.want, t.got, "PASS" if t.ok else "FAIL"]
+                         for t in (targets(ev) if goals is None else goals)]))
     return "\n".join(parts)
 
 
@@ -232,6 +239,14 @@ def render_misses(ev: Evaluation, detector: str = STABILITY) -> str:
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Command line entry point; returns 0, or 1 with ``--strict`` when a target fails."""
     parser = argparse.ArgumentParser(prog="stability eval", description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", choices=("legacy", "families"), default="legacy",
+                        help="legacy: the calibration corpus of issue #4 (default); families: issue #8's corpus of "
+                             "other model families with a calibration and a frozen test split")
+    parser.add_argument("--split", choices=("calib", "test", "all"), default="calib",
+                        help="families corpus: which split (all: both, side by side)")
+    parser.add_argument("--ci", action="store_true", help="families corpus: the small CI subset (seed 7)")
+    parser.add_argument("--export-calib", type=Path, metavar="DIR",
+                        help="families corpus: write the calibration runs (records + labels) to DIR")
     parser.add_argument("--full", action="store_true", help="the full corpus (more seeds/variants; slow)")
     parser.add_argument("--json", type=Path, help="write every number to this JSON file")
     parser.add_argument("--seeds", help="comma-separated seeds for the full corpus (e.g. 5,6,7: held-out runs)")
@@ -248,6 +263,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         if not args.quiet:
             print(line, file=sys.stderr, flush=True)
 
+    if args.corpus == "families":
+        return _main_families(args, out, progress)
     if args.seeds:
         specs = full_specs(tuple(int(x) for x in args.seeds.split(",")))
     else:
@@ -261,9 +278,53 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         print("\n" + render_misses(ev), file=out)
     if args.json:
         corpus = f"seeds {args.seeds}" if args.seeds else "full" if args.full else "ci"
-        payload = {"corpus": corpus, "runs": ev.runs, "records": ev.records,
-                   "scores": {k: v.to_dict() for k, v in ev.scores.items()},
-                   "maxz_rca": {"events": ev.maxz.events, "ac1": ev.maxz.ac1_rate, "ac3": ev.maxz.ac3_rate},
-                   "targets": [{"name": t.name, "want": t.want, "got": t.got, "ok": t.ok} for t in targets(ev)]}
-        args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
+        args.json.write_text(json.dumps(_payload(ev, corpus, targets(ev)), indent=2, default=str) + "\n",
+                             encoding="utf-8")
     return 1 if args.strict and not all(t.ok for t in targets(ev)) else 0
+
+
+def _payload(ev: Evaluation, corpus: str, goals: Sequence[Target]) -> dict[str, object]:
+    return {"corpus": corpus, "runs": ev.runs, "records": ev.records,
+            "scores": {k: v.to_dict() for k, v in ev.scores.items()},
+            "alert_recall": None if math.isnan(ev.alert_recall) else ev.alert_recall,
+            "maxz_rca": {"events": ev.maxz.events, "ac1": ev.maxz.ac1_rate, "ac3": ev.maxz.ac3_rate},
+            "targets": [{"name": t.name, "want": t.want, "got": t.got, "ok": t.ok} for t in goals]}
+
+
+def _main_families(args: argparse.Namespace, out: TextIO, progress: Callable[[str], None]) -> int:
+    """``--corpus families``: generate/score one split (or both, side by side), or the CI subset."""
+    from stability.evaluation.families import calib_specs, generate_families, test_specs
+    from stability.evaluation.families import ci_specs as family_ci
+    from stability.evaluation.family_eval import (
+        export_calibration,
+        family_targets,
+        render_late,
+        render_side_by_side,
+    )
+
+    protocol = Protocol(any_severity=True)
+    splits = ["ci"] if args.ci else ["calib", "test"] if args.split == "all" else [args.split]
+    done: dict[str, tuple[Evaluation, list[GeneratedRun]]] = {}
+    ok = True
+    for split in splits:
+        specs = {"ci": family_ci, "calib": calib_specs, "test": test_specs}[split]()
+        runs = generate_families(specs, args.cache, progress)
+        if split == "calib" and args.export_calib:
+            progress(f"exported {export_calibration(runs, args.export_calib)} runs to {args.export_calib}")
+        if not args.no_real and split != "ci":
+            runs += load_real(args.real_runs or default_data_dir(), split=split)
+        ev = evaluate(runs, protocol)
+        goals = family_targets(ev, runs)
+        ok = ok and all(t.ok for t in goals)
+        done[split] = (ev, runs)
+        print(render(ev, goals, f"Targets (issue #8), families corpus, split {split}"), file=out)
+        if args.misses:
+            print("\n" + render_misses(ev) + "\n" + render_late(ev, runs), file=out)
+        print(file=out)
+    if len(done) > 1:
+        print(render_side_by_side({"calibration" if k == "calib" else k: v for k, v in done.items()}), file=out)
+    if args.json:
+        payload = {split: _payload(ev, f"families {split}", family_targets(ev, runs))
+                   for split, (ev, runs) in done.items()}
+        args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
+    return 1 if args.strict and not ok else 0

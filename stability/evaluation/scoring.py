@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -64,6 +64,9 @@ class Protocol:
     """Alarms of one rank within this many steps of the previous one form one incident."""
     min_alarm_rate: float = 1e-4
     """Floor of the random alarm process's rate per step for the precursor comparison (the FA budget)."""
+    any_severity: bool = False
+    """Recall, delay and AC@k count any finding, INFO included (issue #8: "recall at any severity"); false
+    alarms are still warnings and errors only."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,6 +117,8 @@ class EventOutcome:
     ac1: bool | None
     ac3: bool | None
     rank_named: bool | None
+    first_alert: Alarm | None = None
+    """The first warning/error in the event window (the first finding ``first`` may be an INFO)."""
 
 
 @dataclass(slots=True)
@@ -268,9 +273,11 @@ def incidents(alarms: Iterable[Alarm], merge: int) -> list[Alarm]:
     return out
 
 
-def match_event(event: Event, alarms: Iterable[Alarm], tol: int) -> Alarm | None:
-    """The first alert (any finding when ``event.info_ok``) in ``[precursor_start, end + tol]`` (any rank)."""
-    inside = [a for a in alarms if (a.alert or event.info_ok) and event.precursor_start <= a.step <= event.end + tol]
+def match_event(event: Event, alarms: Iterable[Alarm], tol: int, *, any_severity: bool = False) -> Alarm | None:
+    """The first alert (any finding when ``event.info_ok`` or ``any_severity``) in ``[precursor_start, end + tol]``
+    (any rank)."""
+    inside = [a for a in alarms if (a.alert or event.info_ok or any_severity)
+              and event.precursor_start <= a.step <= event.end + tol]
     return min(inside, key=lambda a: (a.step, a.rank)) if inside else None
 
 
@@ -293,7 +300,9 @@ def false_alarms(result: RunResult, protocol: Protocol) -> tuple[list[Alarm], in
 
 
 def _outcome(result: RunResult, event: Event, protocol: Protocol) -> EventOutcome:
-    first = match_event(event, result.alarms, protocol.tol)
+    first = match_event(event, result.alarms, protocol.tol, any_severity=protocol.any_severity)
+    first_alert = first if first is not None and first.alert else match_event(
+        replace(event, info_ok=False), result.alarms, protocol.tol)
     lead = None
     if event.onset > event.precursor_start:
         lo = max(event.precursor_start, event.onset - protocol.l_pre)
@@ -307,7 +316,7 @@ def _outcome(result: RunResult, event: Event, protocol: Protocol) -> EventOutcom
         named = bool(window) and blamed_ranks(window) == {event.rank}
     return EventOutcome(run=result.name, source=result.source, event=event, first=first,
                         delay=None if first is None else first.step - event.onset, precursor_lead=lead,
-                        ac1=ac1, ac3=ac3, rank_named=named)
+                        ac1=ac1, ac3=ac3, rank_named=named, first_alert=first_alert)
 
 
 def score(results: Iterable[RunResult], protocol: Protocol | None = None) -> Score:
