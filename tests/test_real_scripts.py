@@ -14,6 +14,7 @@ be found with the right kind at the step they were injected.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -74,7 +75,9 @@ def _run(tmp_path: Path, script: Script, fault: str, *extra: str) -> Run:
 
 
 def _stability_warnings(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("stability:")]
+    """What stability said besides the terminal's start and summary lines (stability.console): capture notes, alerts."""
+    console = re.compile(r"^stability: run \S+ (-> .* · W&B |done · )")
+    return [line for line in stderr.splitlines() if line.startswith("stability:") and not console.match(line)]
 
 
 def _assert_captured(run: Run, script: Script) -> None:
