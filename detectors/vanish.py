@@ -13,7 +13,9 @@ every ``stats_every`` steps works too):
 * **Frozen updates**: ``update_ratio/<module>`` below ``min_update_ratio`` (1e-6) for ``persist`` records while the
   LR is above ``lr_floor`` (1%) of its peak (a decayed LR legitimately stops the updates).
 
-Each rule gives a ``grad_vanishing`` WARNING naming the layer. Calibration: the clean llm.c baseline (the only
+A module whose gradient norm or update ratio is exactly 0 took no part in the step (an MoE expert that got no
+tokens, a frozen or unused branch): that record is skipped for it, since vanishing is a gradient that is small,
+not absent. Each rule gives a ``grad_vanishing`` WARNING naming the layer. Calibration: the clean llm.c baseline (the only
 one with a grad norm) falls 57x from step 0 (15.4) to its median 0.27, and never 100x below its trailing
 median; per-layer norms of healthy transformers stay within ~10^2 of each other. Defaults are set for **0 false
 alarms per 10k steps** on the clean baselines (measured: 0 over ~61k steps).
@@ -100,6 +102,8 @@ class GradVanishingDetector:
             value = record.signals[name]
             if not math.isfinite(value) or value < 0:
                 continue
+            if value == 0.0 and module is not None:
+                continue  # exactly no gradient: the module was unused this step (an MoE expert without tokens)
             if quantity == "grad_norm":
                 y = math.log(max(value, _TINY))
                 if module is not None:

@@ -327,3 +327,26 @@ def test_an_embedding_with_too_short_a_history_is_not_judged_by_the_dense_rule()
         s[f"adam_v_ratio/{name}"][310] = 30.0  # the second value a module ever reports
     lags = [a.signal for a in serious(diagnose(to_records(s))[0]) if a.kind == "adam_v_lag"]
     assert lags == ["adam_v_ratio/h.0.mlp"]
+
+
+def test_an_expert_without_tokens_is_not_a_vanishing_gradient() -> None:
+    """An MoE expert that gets no tokens has exactly zero gradient on those steps: unused, not vanishing."""
+    from stability.detectors import GradVanishingDetector
+
+    rng = np.random.default_rng(0)
+    det = GradVanishingDetector()
+    found = []
+    for step in range(300):
+        signals = {"loss": 2.0, "grad_norm": float(np.exp(rng.normal(0, 0.1)))}
+        for i in range(4):
+            signals[f"grad_norm/experts.{i}"] = float(np.exp(rng.normal(-1, 0.2)))
+        if step >= 100:
+            signals["grad_norm/experts.3"] = 0.0  # the router stopped sending tokens to expert 3
+        found += det.update(StepRecord(run_id="r", step=step, signals=signals))
+    assert found == []
+    # a tiny but non-zero gradient is still a collapse
+    for step in range(300, 320):
+        signals = {"loss": 2.0, "grad_norm": 1.0, "grad_norm/experts.0": 1e-6, "grad_norm/experts.1": 0.4,
+                   "grad_norm/experts.2": 0.4, "grad_norm/experts.3": 0.0}
+        found += det.update(StepRecord(run_id="r", step=step, signals=signals))
+    assert [f.signal for f in found] == ["grad_norm/experts.0"]
