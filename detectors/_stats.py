@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "plural", "robust_line",
-           "safe_exp"]
+           "safe_exp", "times"]
 
 MAD_TO_SIGMA = 1.4826
 """Consistency constant: 1.4826 * MAD estimates sigma for Gaussian data."""
@@ -174,3 +174,13 @@ def log_positive(value: float) -> float | None:
 def plural(n: int, word: str) -> str:
     """``"1 step"``, ``"3 steps"``."""
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def times(ratio: float) -> str:
+    """A ratio for people: ``2.35x``, ``31.2x``, ``280x``, ``3.2e10x`` (never ``32128570082.64x``)."""
+    if not math.isfinite(ratio):
+        return f"{ratio}"
+    if abs(ratio) < 999.5:
+        return f"{ratio:.3g}x"
+    mantissa, exponent = f"{ratio:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}x"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stability.detectors._candidate import candidate_finding
-from stability.detectors._stats import Baseline, Prediction, log_positive, safe_exp
+from stability.detectors._stats import Baseline, Prediction, log_positive, safe_exp, times
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord
 
@@ -97,16 +97,16 @@ class GradExplosionDetector:
                 severity = Severity.ERROR if loss_spiking or huge else Severity.WARNING
                 self._active = {**cand, "last": record.step, "records": 0}
                 return [self._finding(record, cand, severity,
-                                      f"rose {cand['ratio']:.1f}x over its baseline at step {cand['step']} and is "
-                                      f"{ratio_now:.1f}x at step {record.step}",
+                                      f"rose {times(cand['ratio'])} over its baseline at step {cand['step']} and is "
+                                      f"{times(ratio_now)} at step {record.step}",
                                       extra={"confirm_ratio": ratio_now, "loss_ratio": max(cand["loss_ratio"],
                                                                                          loss_ratio)})]
             self._base.accept(record.step, y)
-            what = f"one-step jump of {cand['ratio']:.1f}x at step {cand['step']}"
+            what = f"one-step jump of {times(cand['ratio'])} at step {cand['step']}"
             if cand["loss_ratio"] >= self.config.loss_ratio:
-                what += f" (the loss {cand['loss_ratio']:.2f}x on that step)"
+                what += f" (the loss {times(cand['loss_ratio'])} on that step)"
             return [self._finding(record, cand, Severity.INFO,
-                                  f"{what}, back to {ratio_now:.1f}x at step {record.step} with the loss back too: "
+                                  f"{what}, back to {times(ratio_now)} at step {record.step} with the loss back too: "
                                   "it reverted at once", end=cand["step"],
                                   extra={"reverted": 1.0, "loss_ratio": cand["loss_ratio"]})]
         if len(self._base) < self.config.few_min_points:
@@ -121,7 +121,7 @@ class GradExplosionDetector:
                 "points": pred.points, "loss_ratio": loss_ratio, "rank": record.rank}
         if ratio >= self.config.error_ratio and loss_ratio >= self.config.loss_ratio:
             self._active = {**cand, "last": record.step, "records": 0}
-            return [self._finding(record, cand, Severity.ERROR, f"rose {ratio:.1f}x over its baseline",
+            return [self._finding(record, cand, Severity.ERROR, f"rose {times(ratio)} over its baseline",
                                   extra={"loss_ratio": loss_ratio})]
         self._pending = cand
         return []
@@ -156,7 +156,7 @@ class GradExplosionDetector:
         baseline = safe_exp(cand["level"])
         return [Finding(kind=self.kind, step=cand["step"], onset=cand["step"], severity=Severity.ERROR,
                         signal="grad_norm", value=safe_exp(cand["y"]),
-                        message=f"grad_norm rose {cand['ratio']:.1f}x over its baseline {baseline:.4g} at step "
+                        message=f"grad_norm rose {times(cand['ratio'])} over its baseline {baseline:.4g} at step "
                         f"{cand['step']}; the records end before it could be confirmed", detector=self.name,
                         rank=cand.get("rank", 0), score=cand["ratio"],
                         evidence={"ratio": cand["ratio"], "z": cand["z"], "baseline": baseline,

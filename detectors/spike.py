@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stability.detectors._candidate import candidate_finding
-from stability.detectors._stats import Baseline, Prediction, log_positive, safe_exp
+from stability.detectors._stats import Baseline, Prediction, log_positive, safe_exp, times
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord, loss_steps
 
@@ -144,10 +144,10 @@ class SpikeDetector:
         implied = 1.0 + steps * (ratio - 1.0)
         if implied >= self.config.immediate_ratio:
             self._active = {**cand, "peak": ratio, "last": record.step, "records": 0}
-            what = f"jumped {ratio:.2f}x over its baseline"
+            what = f"jumped {times(ratio)} over its baseline"
             if steps > 1:
                 what += (f" (the loss is a mean over {steps:g} steps: one batch alone would have to be "
-                         f"{implied:.1f}x, so the jump is sustained)")
+                         f"{times(implied)}, so the jump is sustained)")
             return [self._finding(record, cand, Severity.ERROR, what,
                                   extra={"loss_steps": steps} if steps > 1 else None)]
         self._pending = cand
@@ -160,15 +160,15 @@ class SpikeDetector:
         self._active = {**cand, "peak": peak, "last": record.step, "records": 0}
         return self._finding(
             record, cand, severity,
-            f"jumped {cand['ratio']:.2f}x over its baseline at step {cand['step']} and is still "
-            f"{ratio_now:.2f}x at step {record.step}",
+            f"jumped {times(cand['ratio'])} over its baseline at step {cand['step']} and is still "
+            f"{times(ratio_now)} at step {record.step}",
             extra={"confirm_ratio": ratio_now},
         )
 
     def _reverted(self, record: StepRecord, cand: dict[str, Any]) -> Finding:
         return self._finding(
             record, cand, Severity.INFO,
-            f"{'one-step ' if not cand.get('waited') else ''}jump of {cand['ratio']:.2f}x at step {cand['step']} "
+            f"{'one-step ' if not cand.get('waited') else ''}jump of {times(cand['ratio'])} at step {cand['step']} "
             f"reverted at step {record.step}: a batch-content outlier, not an instability of the run",
             end=cand["step"], extra={"reverted": 1.0},
         )
@@ -214,7 +214,7 @@ class SpikeDetector:
         return Finding(
             kind=self.kind, step=cand["step"], onset=cand["step"], severity=Severity.WARNING,
             signal=self.config.signal, value=safe_exp(cand["y"]),
-            message=f"{self.config.signal} jumped {cand['ratio']:.2f}x over its baseline {baseline:.4g} at step "
+            message=f"{self.config.signal} jumped {times(cand['ratio'])} over its baseline {baseline:.4g} at step "
             f"{cand['step']}; {why}",
             detector=self.name, rank=cand["rank"], score=cand["ratio"],
             evidence={"ratio": cand["ratio"], "z": cand["z"], "baseline": baseline, "unconfirmed": 1.0},

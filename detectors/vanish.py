@@ -15,10 +15,11 @@ every ``stats_every`` steps works too):
 
 A module whose gradient norm or update ratio is exactly 0 took no part in the step (an MoE expert that got no
 tokens, a frozen or unused branch): that record is skipped for it, since vanishing is a gradient that is small,
-not absent. Each rule gives a ``grad_vanishing`` WARNING naming the layer. Calibration: the clean llm.c baseline (the only
-one with a grad norm) falls 57x from step 0 (15.4) to its median 0.27, and never 100x below its trailing
-median; per-layer norms of healthy transformers stay within ~10^2 of each other. Defaults are set for **0 false
-alarms per 10k steps** on the clean baselines (measured: 0 over ~61k steps).
+not absent. Each rule gives a ``grad_vanishing`` WARNING naming the layer.
+
+Calibration: the clean llm.c baseline (the only one with a grad norm) falls 57x from step 0 (15.4) to its median
+0.27, and never 100x below its trailing median; per-layer norms of healthy transformers stay within ~10^2 of each
+other. Defaults are set for **0 false alarms per 10k steps** on the clean baselines (measured: 0 over ~61k steps).
 """
 
 from __future__ import annotations
