@@ -90,7 +90,8 @@ def _event_name(finding: Finding) -> str:
             "grad_explosion": "the grad-norm explosion", "loss_scale_collapse": "the loss-scale collapse",
             "grad_vanishing": "the gradient collapse", "rank_disagreement": "the disagreement",
             "attention_logit_growth": "the attention-logit growth", "activation_growth": "the activation growth",
-            "logit_divergence": "the logit drift", "plateau": "the plateau"}.get(finding.kind, f"the {finding.kind}")
+            "logit_divergence": "the logit drift", "plateau": "the plateau",
+            "lr_off_schedule": "the LR rise"}.get(finding.kind, f"the {finding.kind}")
 
 
 class _Hints:
@@ -145,8 +146,20 @@ KIND_CAUSE = {
     "grad_vanishing": ("vanishing_gradients", 0.9),
     "activation_growth": ("lr_too_high", 0.55),
     "plateau": ("lr_too_low", 0.6),
+    "lr_off_schedule": ("lr_too_high", 0.88),  # below the gradient rules' 0.9-0.92, whose evidence says more
 }
 """Finding kinds that name their cause structurally, with the score of that cause."""
+
+LR_ROSE = 1.2
+"""A plateau while the LR rose this much over its window is no sign of an LR too low (its evidence ``lr_ratio``)."""
+
+
+def _kind_cause(finding: Finding) -> tuple[str, float] | None:
+    """The cause a finding names by its kind; a plateau names ``lr_too_high`` when the LR rose over its window (a
+    loss that stalls while the LR climbs is not starved of LR)."""
+    if finding.kind == "plateau" and finding.evidence.get("lr_ratio", 1.0) >= LR_ROSE:
+        return ("lr_too_high", 0.6)
+    return KIND_CAUSE.get(finding.kind)
 
 PRECURSOR_WINDOW = 100
 """Earlier findings of the rank within this many steps before the onset count as precursors."""
@@ -169,7 +182,7 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
     scale = find_move(history.globals, "loss_scale", t0, factor=4.0, lead_steps=50, lead_records=5, rise=False)
     if scale is not None and scale.lead > 0:
         precursors.append(scale)
-    structural = KIND_CAUSE.get(finding.kind)
+    structural = _kind_cause(finding)
     if structural is not None:
         hints.add(structural[0], structural[1] - _symptom_of_lr(finding, history, hints), finding.message)
     if finding.kind == "adam_v_lag":  # its own cause, but not a precursor cause of later findings (_adam_rule is)
@@ -201,11 +214,12 @@ def _recent_hints(finding: Finding, history: History, hints: _Hints, recent: Seq
     whose series, for a growth, grew before it too)."""
     t0, precursors = finding.onset, []
     for earlier in recent:
-        cause = KIND_CAUSE.get(earlier.kind)
+        cause = _kind_cause(earlier)
         if cause is None or earlier is finding or earlier.kind == finding.kind:
             continue
         lead = t0 - earlier.onset
-        if not -FOLLOW_WINDOW <= lead <= PRECURSOR_WINDOW:
+        ongoing = earlier.kind == "lr_off_schedule" and history.lr.off_since == earlier.onset  # the LR is still up
+        if not -FOLLOW_WINDOW <= lead <= PRECURSOR_WINDOW and not (ongoing and lead > 0):
             continue
         if lead > 0 and earlier.kind in GROWTH and not _grew_before(history, earlier.signal, t0):
             when, penalty = f"but {earlier.signal} did not grow before {event} (a consequence)", 0.4
@@ -285,6 +299,11 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
             text += f"; {describe(first, event)}"
         hints.add("lr_too_high", 0.9, text, first.signal if first is not None else "lr")
         found.append(Move("lr", lr.last_jump, lr.jump_factor, lr.jump_factor, lead))
+    elif (off := _off_schedule(history, t0)) is not None:
+        text = off if first is None else f"{off}; {describe(first, event)}"
+        hints.add("lr_too_high", 0.92, text, first.signal if first is not None else "lr")
+        since, factor = history.lr.off_since or t0, (history.lr.last or 1.0) / history.lr.anchor
+        found.append(Move("lr", since, factor, factor, t0 - since))
     elif (rise := lr_rise(history, t0)) is not None:
         text = (f"lr rose {rise.factor:.3g}x over the {plural(rise.lead, 'step')} before the onset (rising from step "
                 f"{rise.step})")
@@ -310,6 +329,16 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
         hints.add("vanishing_gradients", 0.6, describe(min(falls, key=lambda m: m.peak), event))
     _warmup_rule(history, hints, t0, event)
     return found
+
+
+def _off_schedule(history: History, t0: int) -> str | None:
+    """The evidence when the LR has been off its learned schedule since before ``t0`` (and still is)."""
+    lr = history.lr
+    since = lr.off_since
+    if since is None or since > t0 or lr.last is None or lr.anchor <= 0:
+        return None
+    return (f"lr off its schedule since step {since}: it rose {lr.last / lr.anchor:.3g}x from {lr.anchor:.3g} "
+            f"(step {lr.anchor_step}) outside the warm-up and restarts, {plural(t0 - since, 'step')} before the onset")
 
 
 NO_WARMUP_START = 10

@@ -1,0 +1,191 @@
+"""The learned LR schedule (``lr_off_schedule``), plateau causes, slow divergence and growth rules on synthetic
+record streams built from the magnitudes of issue #8 (several seeds and noise levels, with the clean traps)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import msgpack
+import numpy as np
+import pytest
+
+from stability.detectors import RunDiagnoser, Severity
+from stability.detectors.base import Finding
+from stability.detectors.schedule import LrSchedule, ScheduleDetector
+from stability.records import StepRecord
+
+Schedule = Callable[[np.ndarray], np.ndarray]
+
+
+def warm(t: np.ndarray, steps: int, *, exp: bool = False) -> np.ndarray:
+    """Linear (or exponential from 1% of the peak) warm-up factor. (A warm-up whose first ``settle`` records
+    print the same value, e.g. from 1e-6 with 6 decimals, cannot be told from a flat start: not tested.)"""
+    if steps <= 0:
+        return np.ones_like(t, dtype=float)
+    frac = np.minimum(1.0, (t + 1) / steps)
+    return 1e-2 ** (1.0 - frac) if exp else frac
+
+
+def cosine(n: int, floor: float = 0.1) -> Schedule:
+    return lambda t: floor + (1 - floor) * 0.5 * (1 + np.cos(np.pi * np.minimum(t / n, 1.0)))
+
+
+CLEAN: dict[str, Callable[[int], np.ndarray]] = {
+    "constant": lambda n: np.full(n, 3e-4),
+    "no-warmup-cosine": lambda n: 3e-4 * cosine(n)(np.arange(n)),
+    "linear-warmup-cosine": lambda n: 3e-4 * warm(np.arange(n), 100) * cosine(n)(np.arange(n)),
+    "long-warmup-linear-decay": lambda n: 6e-4 * warm(np.arange(n), 1500) * np.clip(1.0 - (np.arange(n) - 1500) / n,
+                                                                                     0.0, 1.0),
+    "exp-warmup-constant": lambda n: 1e-3 * warm(np.arange(n), 400, exp=True),
+    "wsd": lambda n: 1e-3 * warm(np.arange(n), 50) * np.clip((n - np.arange(n)) / (0.2 * n), 0.0, 1.0),
+    "step-decay": lambda n: 1e-3 * warm(np.arange(n), 20) * 0.3 ** (np.arange(n) // (n // 4)),
+    "inverse-sqrt": lambda n: 1e-3 * np.minimum((np.arange(n) + 1) / 200, np.sqrt(200 / (np.arange(n) + 1))),
+    "warm-restarts": lambda n: 1e-3 * warm(np.arange(n), 30) * (0.5 * (1 + np.cos(np.pi * (np.arange(n) % 400) / 400))
+                                                                  + 1e-3),
+    "restarts-to-lower-peaks": lambda n: 1e-3 * 0.7 ** (np.arange(n) // 500) * cosine(500, 0.02)(np.arange(n) % 500),
+    "planned-drop-and-restore": lambda n: np.where((np.arange(n) > 800) & (np.arange(n) < 1100), 1e-4, 1e-3),
+    "rewarm-after-anneal": lambda n: 1e-3 * np.where(np.arange(n) < 1000, cosine(1000, 0.0)(np.arange(n)) + 1e-4,
+                                                     warm(np.arange(n) - 1000, 200)),
+}
+
+
+def lr_records(lr: np.ndarray, every: int = 1, decimals: int | None = None, noise: float = 0.0,
+               seed: int = 0) -> list[StepRecord]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(0, len(lr), every):
+        value = float(lr[step]) * (1 + noise * rng.normal()) if noise else float(lr[step])
+        if decimals is not None:
+            value = round(value, decimals)
+        out.append(StepRecord(run_id="r", step=step, signals={"lr": value, "loss": 3.0}))
+    return out
+
+
+def off_findings(recs: list[StepRecord]) -> list[Finding]:
+    det = ScheduleDetector()
+    return [f for r in recs for f in det.update(r)]
+
+
+@pytest.mark.parametrize("name", sorted(CLEAN))
+@pytest.mark.parametrize(("every", "decimals", "noise"), [(1, None, 0.0), (1, None, 1e-7), (10, None, 0.0),
+                                                           (50, None, 1e-6), (1, 6, 0.0), (5, 7, 0.0)])
+def test_clean_schedules_stay_on_schedule(name: str, every: int, decimals: int | None, noise: float) -> None:
+    lr = CLEAN[name](3000)
+    assert off_findings(lr_records(lr, every, decimals, noise)) == [], name
+
+
+def test_llmc_like_quantized_warmup_has_a_peak_and_ends() -> None:
+    """llm.c prints the LR with 6 decimals: the 700-step warm-up repeats values (0.000003 twice)."""
+    t = np.arange(5000)
+    lr = 6e-4 * warm(t, 700) * np.clip(1 - (t - 700) / 4300, 0, 1)
+    sched = LrSchedule()
+    for r in lr_records(lr, decimals=6):
+        assert sched.update(r.step, r.get("lr")) is None
+    assert sched.ramp_started and not sched.warming and 690 <= (sched.warmup_end or 0) <= 720
+    assert sched.peak == pytest.approx(6e-4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("base", ["constant", "linear-warmup-cosine", "wsd", "step-decay", "warm-restarts"])
+def test_slow_rise_off_schedule_is_warned_within_20_steps(base: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = 3000
+    lr = CLEAN[base](n).copy()
+    start = int(rng.integers(600, 1800))
+    rate = float(rng.uniform(0.015, 0.02))  # x2 every 35-46 steps
+    lr[start:] = lr[start - 1] * (1 + rate) ** np.arange(1, n - start + 1)
+    for every, noise in [(1, 0.0), (1, 1e-7), (10, 0.0)]:
+        found = off_findings(lr_records(lr, every, noise=noise, seed=seed))
+        assert len(found) == 1, (every, found)
+        alert = found[0]
+        assert alert.kind == "lr_off_schedule" and alert.severity is Severity.WARNING
+        late = 0 if every == 1 else every  # a sparse log shows the departure one record interval late at most
+        assert start <= alert.step <= start + 20 + late, (every, start, alert)
+        assert alert.onset <= start + every and alert.evidence["factor"] >= 1.2
+
+
+@pytest.mark.parametrize("factor", [10.0, 150.0, 1000.0])
+def test_sudden_jump_above_the_peak_is_off_schedule_at_once(factor: float) -> None:
+    n = 2000
+    lr = CLEAN["linear-warmup-cosine"](n).copy()
+    lr[1200:1203] *= factor
+    [alert] = off_findings(lr_records(lr))
+    assert alert.step == 1200 and alert.onset == 1200 and "jumped" in alert.message
+
+
+def test_jump_rearms_after_the_lr_falls_back() -> None:
+    lr = np.full(2000, 1e-3)
+    lr[500:505] *= 30.0
+    lr[1500:] *= 2.0
+    assert [f.step for f in off_findings(lr_records(lr))] == [500, 1500]
+
+
+@pytest.mark.parametrize("split", [5, 400, 1210])
+def test_schedule_state_round_trip(split: int) -> None:
+    lr = CLEAN["linear-warmup-cosine"](2000).copy()
+    lr[1200:] = lr[1199] * 1.02 ** np.arange(1, 801)
+    recs = lr_records(lr, decimals=8)
+    full = off_findings(recs)
+    first = ScheduleDetector()
+    got = [f for r in recs[:split] for f in first.update(r)]
+    second = ScheduleDetector()
+    second.load_state_dict(msgpack.unpackb(msgpack.packb(first.state_dict()), raw=False))
+    got += [f for r in recs[split:] for f in second.update(r)]
+    assert got == full and len(full) == 1
+
+
+# --- the whole diagnoser: plateau cause, divergence cause -------------------------------------------------------
+
+
+def run(series: dict[str, np.ndarray]) -> tuple[list[Finding], RunDiagnoser]:
+    diag = RunDiagnoser()
+    n = len(series["loss"])
+    alerts = []
+    for s in range(n):
+        signals = {k: float(v[s]) for k, v in series.items() if math.isfinite(v[s]) or k == "loss"}
+        alerts += diag.update(StepRecord(run_id="r", step=s, signals=signals))
+    return alerts + diag.finish(), diag
+
+
+def lr_rise_run(seed: int, *, n: int = 4000, start: int = 2500, rate: float = 0.017,
+                noise: float = 0.03) -> dict[str, np.ndarray]:
+    """Issue #8, class 3: a cosine run whose LR leaves its schedule at ``start`` growing ``rate`` per step; the
+    loss flattens, then turns upward once the LR is ~10x (after ~140 steps), slowly."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    lr = 1e-3 * warm(t, 200) * cosine(n)(t)
+    lr[start:] = lr[start - 1] * (1 + rate) ** np.arange(1, n - start + 1)
+    ratio = lr / lr[start - 1]
+    log_loss = np.log(2.5 + 3.0 * np.exp(-t / 400.0)) + 0.02 * np.log(np.maximum(ratio, 1.0)) ** 2
+    return {"loss": np.exp(log_loss + rng.normal(0, noise, n)), "lr": lr,
+            "grad_norm": np.exp(rng.normal(0, 0.1, n)) * np.maximum(1.0, ratio / 10) ** 0.5}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lr_leaving_its_schedule_is_warned_first_and_names_lr_too_high(seed: int) -> None:
+    series = lr_rise_run(seed)
+    alerts, diag = run(series)
+    first = alerts[0]
+    assert first.kind == "lr_off_schedule" and 2500 <= first.step <= 2520, first
+    assert first.causes[0].cause == "lr_too_high"
+    for incident in diag.incidents:
+        for f in incident.findings:
+            assert not (f.kind == "plateau" and f.causes[0].cause == "lr_too_low"), f
+    loss_events = [f for i in diag.incidents for f in i.findings if f.kind in ("divergence", "loss_spike")]
+    assert loss_events and all(f.causes[0].cause == "lr_too_high" for f in loss_events), loss_events
+
+
+def test_plateau_while_the_lr_rises_does_not_name_lr_too_low() -> None:
+    """The loss is flat (plateau) while the LR keeps rising slowly (20x over the window): never ``lr_too_low``."""
+    n = 6000
+    rng = np.random.default_rng(5)
+    t = np.arange(n)
+    loss = np.where(t < 2000, 6.0 * np.exp(-t / 700.0) + 2.0, 6.0 * np.exp(-2000 / 700.0) + 2.0)
+    lr = np.full(n, 1e-4)
+    lr[2000:] = 1e-4 * 1.0015 ** np.arange(n - 2000)  # 20x in 2000 steps: off schedule, then a plateau
+    _, diag = run({"loss": loss * np.exp(rng.normal(0, 0.02, n)), "lr": lr})
+    plateaus = [f for i in diag.incidents for f in i.findings if f.kind == "plateau"]
+    assert plateaus, "the flat loss is still a plateau"
+    for f in plateaus:
+        assert f.evidence["lr_ratio"] >= 1.2 and f.causes[0].cause == "lr_too_high", f.causes
