@@ -10,19 +10,20 @@ From the logged LR alone it learns, in O(1) per record:
   or any monotone warm-up of any length is one ramp.
 * the **peak** (the largest LR on the schedule) and the **departure level** ``anchor``: the lowest LR since the
   LR last fell (on a decay it follows the LR down; on a constant phase it stays put).
-* after the warm-up every rise is judged. Explained: a **restart** (one record jumps >= ``jump_factor`` back to at most
+* after the warm-up every rise is judged. Decays of any shape (cosine, linear, inverse sqrt, WSD, steps, planned
+  drops) never rise. Explained rises: a **restart** (one record jumps >= ``jump_factor`` back to at most
   ``peak_tol`` x the peak, a previously seen level, and the next record does not rise again: SGDR, hard
   restarts, a planned re-raise; an exponential rise logged every N steps is a chain of such "jumps", so a
   second rising record undoes the restart) and a **re-warm** (a ramp that starts with a >= ``jump_factor``
-  jump out of an annealed floor below ``rewarm_floor`` of the peak, and stays under the peak). Decays of any shape (cosine, linear, inverse sqrt, WSD, steps, planned drops) never rise.
+  jump out of an annealed floor below ``rewarm_floor`` of the peak, and stays under the peak).
   Float noise: changes below ``noise`` (relative) are no change, and a rise must span ``quanta`` logging quanta
-  (the printing resolution of LR values seen changing: llm.c prints 6 decimals, so near the end of its decay
+  (the printing resolution shown by small LR changes: llm.c prints 6 decimals, so near the end of its decay
   0.000001 -> 0.000002 would be a 2x "rise").
 * **Off schedule** (:class:`ScheduleDetector`, a WARNING ``lr_off_schedule``, cause ``lr_too_high``): a rise to
   ``rise_factor`` (1.2x) over the departure level that is neither (a slow drift of ~1.5 %/step reaches 1.2x in
   10-13 steps; logged every 10 steps, in 1-2 records), or a one-record jump above the peak (an LR spike).
-  One finding per departure; it re-arms when the LR falls again. Values of an off-schedule rise never
-  become the peak.
+  One finding per departure; it re-arms when the LR falls again. The peak is the warm-up's: an off-schedule
+  rise never becomes the schedule.
 
 Calibration: the invariant (a schedule does not rise outside warm-up and restarts) sets the rule; the numbers
 are margins. ``rise_factor`` 1.2x is 40x the largest relative LR increase of llm.c's 6-decimal log after its
