@@ -331,6 +331,15 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
     return found
 
 
+def _lr_change(history: History, t0: int) -> int | None:
+    """Step of the LR change before ``t0`` that the LR rules blame (a jump within 100 steps, or the start of an
+    off-schedule rise), if any."""
+    lr = history.lr
+    if lr.last_jump is not None and t0 - 100 <= lr.last_jump <= t0:
+        return lr.last_jump
+    return lr.off_since if lr.off_since is not None and lr.off_since <= t0 else None
+
+
 def _off_schedule(history: History, t0: int) -> str | None:
     """The evidence when the LR has been off its learned schedule since before ``t0`` (and still is)."""
     lr = history.lr
@@ -479,8 +488,15 @@ def _slow_rules(finding: Finding, history: History, hints: _Hints, event: str) -
             best = (factor, f"{name} grew {factor:.3g}x ({pair[0]:.3g} -> {pair[1]:.3g}) over the "
                             f"{plural(pair[2], 'step')} up to {event}")
     if best is not None:
-        hints.add("attention_logit_growth", 0.85 if best[0] >= 10 else 0.75 if best[0] >= 3 else 0.5, best[1],
-                  "attn_logit_max")
+        score = 0.85 if best[0] >= 10 else 0.75 if best[0] >= 3 else 0.5
+        lr_step = _lr_change(history, t0)
+        before = None if lr_step is None else max(
+            ((p[1] / p[0], n) for n in modules(mods, "attn_logit_max")
+             if (p := _growth(mods, n, lr_step - 1)) is not None and p[0] > 0 and p[1] >= ATTN_LEVEL), default=None)
+        if lr_step is not None and before is not None and before[0] >= 3.0 and best[0] >= 3.0:
+            score, best = 0.91, (best[0], f"{best[1]}; {before[1]} had already grown {before[0]:.3g}x before the lr "
+                                          f"changed at step {lr_step}: the lr change did not start it")
+        hints.add("attention_logit_growth", score, best[1], "attn_logit_max")
     for name, ring in [("logit_z", glob)] + [(n, mods) for n in modules(mods, "logit_z")]:
         pair = _growth(ring, name, t0, span=96)
         if pair and abs(pair[1] - pair[0]) >= 2.0 and abs(pair[1]) >= 3.0:

@@ -180,9 +180,7 @@ class LrSchedule:
             self.rising, self.warmup_end = False, step
         fell = lr < self.ramp_max * (1 - cfg.noise) and self.ramp_max - lr > cfg.quanta * self._q
         if fell or self.since_max >= max(cfg.settle, 3 * self.ramp_gap):
-            self.warming = False
-            if self.warmup_end is None:
-                self.warmup_end = step
+            self.warming = False  # (no ramp: no warm-up, ``warmup_end`` stays None)
             self.peak = max(self.peak, self.ramp_max)
             self._depart(step, lr)
 
