@@ -189,3 +189,68 @@ def test_plateau_while_the_lr_rises_does_not_name_lr_too_low() -> None:
     assert plateaus, "the flat loss is still a plateau"
     for f in plateaus:
         assert f.evidence["lr_ratio"] >= 1.2 and f.causes[0].cause == "lr_too_high", f.causes
+
+
+# --- slow divergence ---------------------------------------------------------------------------------------------
+
+
+def slow_rise(seed: int, noise: float, rate: float, n: int = 2600) -> tuple[dict[str, np.ndarray], int]:
+    """An improving run (loss 5.5 -> ~2.6, nearly flat by step 1500) whose loss starts rising ``rate`` per step
+    (log) at a random step; per-step noise ``noise`` (log), with rare one-step batch outliers."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    start = int(rng.integers(1500, 2300))
+    log_loss = np.log(2.5 + 3.0 * np.exp(-t / 400.0)) + rng.normal(0, noise, n)
+    log_loss[start:] += rate * np.arange(n - start)
+    outliers = rng.random(n) < 0.002
+    log_loss[outliers] += np.log(1.6)
+    return {"loss": np.exp(log_loss), "lr": np.full(n, 1e-3), "grad_norm": np.exp(rng.normal(0, 0.1, n))}, start
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("noise", [0.02, 0.035, 0.05])
+@pytest.mark.parametrize("rate", [0.003, 0.006, 0.01])
+def test_slow_sustained_rise_is_a_divergence_within_50_steps(seed: int, noise: float, rate: float) -> None:
+    series, start = slow_rise(seed, noise, rate)
+    alerts, _ = run(series)
+    div = [a for a in alerts if a.kind == "divergence"]
+    assert div, [(a.kind, a.step) for a in alerts]
+    first = div[0]
+    assert start <= first.step <= start + 50, (start, first.step, first.message)
+    assert first.severity is Severity.ERROR and first.onset <= first.step
+    assert not any(a.kind == "loss_spike" and a.severity is not Severity.INFO and a.step < first.step for a in alerts)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("noise", [0.02, 0.05])
+def test_noisy_improving_runs_and_a_learning_phase_transition_raise_nothing(seed: int, noise: float) -> None:
+    """Clean traps: a noisy loss that keeps improving, with batch outliers, a flat noisy plateau and a phase
+    transition (loss 3.8 -> 1.9 within ~40 steps) followed by a slow drift back up of 3 % (within the noise)."""
+    rng = np.random.default_rng(100 + seed)
+    n = 3000
+    t = np.arange(n)
+    log_loss = np.log(1.9 + 1.9 / (1 + np.exp((t - 1200) / 8.0)) + 0.3 * np.exp(-t / 300))
+    log_loss += 0.03 * np.clip((t - 1500) / 600, 0, 1)  # a small, slow drift up after the transition
+    log_loss += rng.normal(0, noise, n) + np.where(rng.random(n) < 0.003, np.log(1.7), 0.0)
+    alerts, _ = run({"loss": np.exp(log_loss), "lr": np.full(n, 1e-3), "grad_norm": np.exp(rng.normal(0, 0.1, n))})
+    assert [a for a in alerts if a.severity is not Severity.INFO] == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_slow_rise_in_coarse_logging_views(seed: int) -> None:
+    """The same rise seen as every 10th step and as 10-step means (``loss_steps`` = 10) is still a divergence
+    (the trend needs its 5 confirming records: 50 steps more at this cadence)."""
+    series, start = slow_rise(seed, 0.04, 0.006)
+    loss = series["loss"]
+    views = {"every10": [(s, float(loss[s]), None) for s in range(0, len(loss), 10)],
+             "mean10": [(s + 9, float(np.exp(np.mean(np.log(loss[s:s + 10])))), 10.0) for s in range(0, len(loss), 10)]}
+    for name, rows in views.items():
+        diag = RunDiagnoser()
+        alerts: list[Finding] = []
+        for step, value, steps in rows:
+            signals = {"loss": value, **({"loss_steps": steps} if steps else {})}
+            alerts += diag.update(StepRecord(run_id="r", step=step, signals=signals))
+        loss_events = [a for a in alerts if a.kind in ("divergence", "loss_spike") and a.severity is Severity.ERROR]
+        assert loss_events and start <= loss_events[0].step <= start + 120, (name, start, loss_events)
+        found = [f.kind for i in diag.incidents for f in i.findings]
+        assert "divergence" in found, (name, found)  # (it may join a loss spike's incident without a new alert)
