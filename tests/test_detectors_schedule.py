@@ -254,3 +254,66 @@ def test_slow_rise_in_coarse_logging_views(seed: int) -> None:
         assert loss_events and start <= loss_events[0].step <= start + 120, (name, start, loss_events)
         found = [f.kind for i in diag.incidents for f in i.findings]
         assert "divergence" in found, (name, found)  # (it may join a loss spike's incident without a new alert)
+
+
+# --- attention-logit and activation growth -----------------------------------------------------------------------
+
+
+def growth_run(seed: int, *, n: int = 900, loss_trend: float = 0.0, every: int = 1,
+               noise: float = 0.03) -> dict[str, np.ndarray]:
+    """A post-warm-up stretch: loss ~2.6 (with a per-step log trend ``loss_trend``), two layers' attention logits
+    at ~3 and an activation at ~1; series recorded every ``every`` steps (NaN elsewhere)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    sparse = np.where(t % every == 0, 1.0, np.nan)
+    return {"loss": np.exp(np.log(2.6) + loss_trend * t + rng.normal(0, noise, n)), "lr": np.full(n, 1e-3),
+            "grad_norm": np.exp(rng.normal(0, 0.1, n)),
+            **{f"attn_logit_max/h.{i}": sparse * 3.0 * np.exp(rng.normal(0, 0.03, n)) for i in range(2)},
+            "act_absmax/wpe": sparse * np.exp(rng.normal(0, 0.03, n))}
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("rate", [0.012, 0.0163, 0.025])
+def test_steady_attention_logit_growth_warns_by_4x(seed: int, rate: float) -> None:
+    """Issue #8, class 5: the logits grow steadily (16x over 170 steps at 1.63 %/step) from ~3 while the loss
+    stalls: a WARNING by the time they have grown ~4x, not at 16x."""
+    s = growth_run(seed)
+    start = 400
+    s["attn_logit_max/h.1"][start:] *= np.exp(rate * np.arange(900 - start))
+    alerts, _ = run(s)
+    [alert] = [a for a in alerts if a.kind == "attention_logit_growth"]
+    grown = math.exp(rate * (alert.step - start))
+    assert alert.severity is Severity.WARNING and alert.signal == "attn_logit_max/h.1"
+    assert 1.5 <= grown <= 5.0, (alert.step, grown)
+    assert alert.causes[0].cause == "attention_logit_growth"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_attention_logits_growing_10x_while_the_loss_halves_is_learning(seed: int) -> None:
+    """The clean trap: a learning phase transition (loss 3.8 -> 1.9 within ~40 steps, logits 10x)."""
+    s = growth_run(seed)
+    t = np.arange(900)
+    s["loss"] *= (1.9 + 1.9 / (1 + np.exp((t - 420) / 6.0))) / 2.6
+    for i in range(2):
+        s[f"attn_logit_max/h.{i}"] *= 1 + 9 / (1 + np.exp(-(t - 420) / 6.0))
+    alerts, _ = run(s)
+    assert [a for a in alerts if a.severity is not Severity.INFO] == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_slow_activation_growth_from_a_small_init_on_a_healthy_run_is_quiet(seed: int) -> None:
+    """nanoGPT's position embedding (init std 0.02): its activation grows ~12x over 2,400 healthy steps (stats
+    every 50 steps), fastest at first, while the loss falls: quiet. A steady (exponential) 12x growth while the
+    loss stalls is a warning; the same while the loss falls is learning."""
+    n, every = 3000, 50
+    t = np.arange(n)
+    shapes = {"sqrt": 0.06 * (1 + 11 * np.sqrt(np.minimum(t, 2400) / 2400)),
+              "exp": 0.06 * np.exp(np.log(12) * np.minimum(t, 2400) / 2400)}
+    for loss_falls, shape, expect in [(True, "sqrt", []), (False, "exp", ["activation_growth"]),
+                                      (True, "exp", [])]:
+        s = growth_run(seed, n=n, every=every, loss_trend=-2e-4 if loss_falls else 0.0)
+        for i in range(2):
+            del s[f"attn_logit_max/h.{i}"]
+        s["act_absmax/wpe"] *= shapes[shape]
+        alerts, _ = run(s)
+        assert [a.kind for a in alerts if a.severity is not Severity.INFO] == expect, (loss_falls, shape)
