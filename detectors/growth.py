@@ -72,6 +72,10 @@ class GrowthConfig:
     """Growth over a span in which the loss fell by at least this much (log) is learning, not an alarm."""
 
 
+LEARNING: tuple[float, str, dict[str, float]] = (0.0, "learning", {})
+"""What :meth:`GrowthDetector._judge` returns for a growth the loss's improvement explains."""
+
+
 class _Series:
     def __init__(self, window: int) -> None:
         self.win = Window(window)
@@ -108,6 +112,8 @@ class GrowthDetector:
             if kind is None or series is None or len(series.win) < cfg.mid_window:
                 continue
             hit = self._judge(name, quantity, value, series.win)
+            if hit is LEARNING:  # growing, but with the loss improving: neither an alarm nor quiet
+                continue
             if hit is None:
                 series.quiet += 1
                 if series.quiet >= cfg.window:
@@ -161,7 +167,7 @@ class GrowthDetector:
                 continue
             fell = self._loss_fell(float(xs[0]), float(xs[-1]))
             if fell is not None and fell >= cfg.learning_drop:
-                return None  # growth while the loss improves is learning (a phase transition, early training)
+                return LEARNING  # growth while the loss improves (a phase transition, early training)
             if fell is not None:
                 hit[2]["loss_change"] = -fell
             return hit
