@@ -6,8 +6,9 @@
 * Upward Page-Hinkley on clipped robust residuals (detection.md D2): ``S = max(0, S + min(z, clip) - delta)``;
   fires when ``S >= threshold`` after ``window`` accepted points. Points are not accepted while ``S >= freeze``, so
   the level stays at its pre-incident value during a drift.
-* Backstop: the median of the last ``smooth`` log losses sits >= ``backstop_ratio`` (2x) over ``L`` for more than
-  ``backstop_steps`` consecutive records.
+* Backstop: the median of the last ``smooth`` log losses sits >= ``backstop_ratio`` (2x) over ``L`` (and >= 2
+  robust sigmas of the per-record noise: a loss spanning decades per step, a CNN near 0 loss, doubles its
+  median by chance) for more than ``backstop_steps`` consecutive records.
 
 * Averaged records (``loss_steps`` >= ``rise_min_steps``, 4: each loss is the mean of that many steps, as
   Megatron's ``log_interval`` gives): ``rise_records`` (3) consecutive rising records totalling >=
@@ -18,7 +19,8 @@
   divergence long before it is a spike): over the last ``trend_window`` (64) records of *all* finite log
   losses, the Mann-Kendall statistic is >= ``trend_z`` (3.5) and the robust line's level at the last record
   (``robust_line``, a cheap Theil-Sen) sits >= ``trend_excess`` (10 %) above the *running best* (the lowest
-  median of ``trend_smooth`` (16) consecutive records so far), for ``trend_confirm`` (5) consecutive records.
+  median of ``trend_smooth`` (16) consecutive records so far; and >= 3 standard errors of such a median on a
+  very noisy loss), for ``trend_confirm`` (5) consecutive records.
   The onset is where the smoothed loss was last at its best. After it fires, the best is re-set to the current
   level (the next alert needs another 10 %). The page-Hinkley level (a median of accepted points) follows a slow
   rise up, this test does not: its reference is the best the run reached.
@@ -136,7 +138,8 @@ class DivergenceDetector:
         elif self._onset is None:
             self._onset = record.step
         smoothed = median(np.fromiter(self._recent, dtype=np.float64))
-        self._above = self._above + 1 if smoothed - level >= math.log(cfg.backstop_ratio) else 0
+        # 2x, and beyond the noise: a loss spanning decades per step (a CNN near 0 loss) doubles its median by chance
+        self._above = self._above + 1 if smoothed - level >= max(math.log(cfg.backstop_ratio), 2 * scale) else 0
         if self._ph < cfg.freeze and self._above == 0:
             self._window.push(record.step, y)
             self._fired = False
@@ -184,7 +187,9 @@ class DivergenceDetector:
             return None
         level, slope = robust_line(self._trend.x, ys)
         excess = level - self._best
-        hit = slope > 0 and excess >= cfg.trend_excess and mann_kendall_z(ys) >= cfg.trend_z
+        noise = mad_scale(ys - (level + slope * (self._trend.x - self._trend.x[-1])))  # of one record
+        needed = max(cfg.trend_excess, 3.0 * 1.2533 * noise / math.sqrt(cfg.trend_smooth))  # 3 se of a median
+        hit = slope > 0 and excess >= needed and mann_kendall_z(ys) >= cfg.trend_z
         self._trend_run = self._trend_run + 1 if hit else 0
         if self._trend_run < cfg.trend_confirm:
             return None

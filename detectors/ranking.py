@@ -219,7 +219,9 @@ def _recent_hints(finding: Finding, history: History, hints: _Hints, recent: Seq
             continue
         lead = t0 - earlier.onset
         ongoing = earlier.kind == "lr_off_schedule" and history.lr.off_since == earlier.onset  # the LR is still up
-        if not -FOLLOW_WINDOW <= lead <= PRECURSOR_WINDOW and not (ongoing and lead > 0):
+        if ongoing and earlier.onset <= finding.step:
+            lead = max(lead, 1)  # the LR left its schedule before this alert and still is off: a precursor
+        elif not -FOLLOW_WINDOW <= lead <= PRECURSOR_WINDOW:
             continue
         if lead > 0 and earlier.kind in GROWTH and not _grew_before(history, earlier.signal, t0):
             when, penalty = f"but {earlier.signal} did not grow before {event} (a consequence)", 0.4
@@ -299,7 +301,7 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
             text += f"; {describe(first, event)}"
         hints.add("lr_too_high", 0.9, text, first.signal if first is not None else "lr")
         found.append(Move("lr", lr.last_jump, lr.jump_factor, lr.jump_factor, lead))
-    elif (off := _off_schedule(history, t0)) is not None:
+    elif (off := _off_schedule(history, t0, finding.step)) is not None:
         text = off if first is None else f"{off}; {describe(first, event)}"
         hints.add("lr_too_high", 0.92, text, first.signal if first is not None else "lr")
         since, factor = history.lr.off_since or t0, (history.lr.last or 1.0) / history.lr.anchor
@@ -340,14 +342,16 @@ def _lr_change(history: History, t0: int) -> int | None:
     return lr.off_since if lr.off_since is not None and lr.off_since <= t0 else None
 
 
-def _off_schedule(history: History, t0: int) -> str | None:
-    """The evidence when the LR has been off its learned schedule since before ``t0`` (and still is)."""
+def _off_schedule(history: History, t0: int, step: int) -> str | None:
+    """The evidence when the LR has been off its learned schedule since before the alert at ``step`` (and still
+    is); a slow loss rise's onset estimate may precede the LR's departure (the loss had flattened first)."""
     lr = history.lr
     since = lr.off_since
-    if since is None or since > t0 or lr.last is None or lr.anchor <= 0:
+    if since is None or since > step or lr.last is None or lr.anchor <= 0:
         return None
+    when = f"{plural(t0 - since, 'step')} before the onset" if since <= t0 else f"before the alert (step {step})"
     return (f"lr off its schedule since step {since}: it rose {lr.last / lr.anchor:.3g}x from {lr.anchor:.3g} "
-            f"(step {lr.anchor_step}) outside the warm-up and restarts, {plural(t0 - since, 'step')} before the onset")
+            f"(step {lr.anchor_step}) outside the warm-up and restarts, {when}")
 
 
 NO_WARMUP_START = 10

@@ -15,7 +15,8 @@ From the logged LR alone it learns, in O(1) per record:
   ``peak_tol`` x the peak, a previously seen level, and the next record does not rise again: SGDR, hard
   restarts, a planned re-raise; an exponential rise logged every N steps is a chain of such "jumps", so a
   second rising record undoes the restart) and a **re-warm** (a ramp that starts with a >= ``jump_factor``
-  jump out of an annealed floor below ``rewarm_floor`` of the peak, and stays under the peak).
+  jump out of an annealed floor below ``rewarm_floor`` of the peak, and stays under the peak; the first
+  record that does not rise ends it: a restart out of the floor is a one-record re-warm).
   Float noise: changes below ``noise`` (relative) are no change, and a rise must span ``quanta`` logging quanta
   (the printing resolution shown by small LR changes: llm.c prints 6 decimals, so near the end of its decay
   0.000001 -> 0.000002 would be a 2x "rise").
@@ -54,8 +55,9 @@ class ScheduleConfig:
     """An unexplained rise to this many times the departure level is off schedule."""
     quanta: float = 3.0
     """... and spans at least this many logging quanta (the smallest LR change seen)."""
-    peak_tol: float = 1.05
-    """A restart lands at most this many times the peak."""
+    peak_tol: float = 1.5
+    """A restart lands at most this many times the peak seen (a warm-up multiplied into a cosine never reaches
+    the nominal base LR that the restarts go back to: 1.24x in the families corpus's SGDR runs)."""
     rewarm_floor: float = 0.05
     """A ramp starting below this fraction of the peak, up to the peak, is a re-warm."""
     noise: float = 1e-3
@@ -194,6 +196,9 @@ class LrSchedule:
             if lr > last * (1 + cfg.noise):
                 self.anchor, self.anchor_step, self.anchor_records = self.restart
             self.restart = None
+        if self.rewarming and lr <= last * (1 + cfg.noise):  # the re-warm (or restart out of the floor) is over
+            self._depart(step, lr)
+            return None
         if lr < self.top * (1 - cfg.noise) and self.top - lr > self._q:  # fell: a new departure level
             self._depart(step, lr)
             return None
