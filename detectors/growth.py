@@ -2,15 +2,17 @@
 
 Series (global or per module): ``attn_logit_max`` -> ``attention_logit_growth``, ``act_absmax`` ->
 ``activation_growth``, ``logit_z`` -> ``logit_divergence``. For each series the detector keeps the last
-``window`` (96) values it was recorded at and fits a robust line (``_stats.robust_line``, a cheap Theil-Sen) to
-``log(value)`` (``attn_logit_max``, ``act_absmax``) or to the raw value (``logit_z`` is already a log), over the
-whole window (a slow, steady rise: 4x over ~100 steps), else over its last ``mid_window`` (48) or
+``window`` (192) values it was recorded at. A slow, steady growth is a *cumulative* rise: the latest
+``smooth`` (8)-record median is ``growth`` (4x) over the lowest such median of the window, and the points since
+that low rise steadily (Mann-Kendall z >= ``trend_z``, 4). Faster growth is a robust line
+(``_stats.robust_line``, a cheap Theil-Sen) fitted to ``log(value)`` (``attn_logit_max``, ``act_absmax``) or to
+the raw value (``logit_z`` is already a log) over the whole window, else its last ``mid_window`` (48) or
 ``short_window`` (16) values (a fast explosion). It fires a WARNING when, over that span:
 
-* the fitted rise is at least ``log(growth)`` (4x) for logs, or ``z_drift`` (2 nats) away from 0 for ``logit_z``,
+* the rise is at least ``log(growth)`` (4x) for logs, or ``z_drift`` (2 nats) away from 0 for ``logit_z``,
 * the rise is steady: at least ``steady`` (6) robust sigmas of the residuals around the line,
-* **the loss did not improve** over the same span (its median over the last third is not ``learning_drop``
-  (1 %) below that of the first third): growth while the loss improves is learning (a learning phase transition
+* **the loss did not improve** over the same span (the median of its last ``smooth`` points is not
+  ``learning_drop`` (1 %) and 3 standard errors below that of its first ones): growth while the loss improves is learning (a learning phase transition
   grows attention logits 10x in ~40 steps while the loss halves; nanoGPT's position embedding grows ~10x from
   its 0.02 init over thousands of healthy steps); growth while the loss stalls or rises is the warning,
 * the level is high enough to matter: ``attn_logit_max >= attn_min`` (10), ``|logit_z| >= z_min`` (3), and
@@ -176,7 +178,7 @@ class GrowthDetector:
     def _cumulative(self, name: str, quantity: str, value: float,
                     win: Window) -> tuple[float, str, dict[str, float]] | None:
         """A rise of ``growth`` from the lowest ``smooth``-record median of the window to the latest one, steady
-        since that low (Mann-Kendall z >= ``trend_z``): a slow growth no 96-point line reaches 4x on."""
+        since that low (Mann-Kendall z >= ``trend_z``): a slow growth no fitted line reaches 4x on."""
         cfg = self.config
         if quantity == "logit_z" or len(win) < cfg.mid_window:
             return None
