@@ -12,9 +12,10 @@ the raw value (``logit_z`` is already a log) over the whole window, else its las
 * the rise is at least ``log(growth)`` (4x) for logs, or ``z_drift`` (2 nats) away from 0 for ``logit_z``,
 * the rise is steady: at least ``steady`` (6) robust sigmas of the residuals around the line,
 * **the loss did not improve** over the same span (the median of its last ``smooth`` points is not
-  ``learning_drop`` (1 %) and 3 standard errors below that of its first ones): growth while the loss improves is learning (a learning phase transition
-  grows attention logits 10x in ~40 steps while the loss halves; nanoGPT's position embedding grows ~10x from
-  its 0.02 init over thousands of healthy steps); growth while the loss stalls or rises is the warning,
+  ``learning_drop`` (1 %) and 3 standard errors below that of its first ones): growth while the loss improves
+  is learning (a learning phase transition grows attention logits 10x in ~40 steps while the loss halves;
+  nanoGPT's position embedding grows ~10x from its 0.02 init over thousands of healthy steps); growth while
+  the loss stalls or rises is the warning,
 * the level is high enough to matter: ``attn_logit_max >= attn_min`` (10), ``|logit_z| >= z_min`` (3), and
 * the LR warm-up is over, and so is twice its length.
 
