@@ -21,9 +21,10 @@
   (``robust_line``, a cheap Theil-Sen) sits >= ``trend_excess`` (10 %) above the *running best* (the lowest
   median of ``trend_smooth`` (16) consecutive records so far; and >= 3 standard errors of such a median on a
   very noisy loss), for ``trend_confirm`` (5) consecutive records.
-  The onset is where the smoothed loss was last at its best. After it fires, the best is re-set to the current
-  level (the next alert needs another 10 %). The page-Hinkley level (a median of accepted points) follows a slow
-  rise up, this test does not: its reference is the best the run reached.
+  The onset is where the fitted line leaves the best level (not before the loss was last at its best). After
+  it fires, the best is re-set to the current level (the next alert needs another 10 %). The page-Hinkley
+  level (a median of accepted points) follows a slow rise up, this test does not: its reference is the best
+  the run reached.
   Calibration: on the seven clean baselines (61k per-step records, and their 10-step means and samples) no
   record has z >= 3.5 with any excess; with z >= 3 the largest excess is 10.3 % (the 1.5B run's spiky phase
   near step 12k), so both thresholds have margin. On synthetic slow rises (noise 2-5 %, rise 0.3-1 %/step,
@@ -194,9 +195,12 @@ class DivergenceDetector:
         if self._trend_run < cfg.trend_confirm:
             return None
         z = mann_kendall_z(ys)
+        # onset: where the fitted line leaves the best level (a loss that sat flat at its best since long ago
+        # started to rise there, not when it was last at its best)
+        onset = max(self._best_step, min(record.step, int(record.step - excess / slope)))
         return (f"a rising trend over the last {len(ys)} records (Mann-Kendall z {z:.1f}), the loss's fitted level "
                 f"{safe_exp(excess):.3g}x its best {safe_exp(self._best):.4g} (step {self._best_step})",
-                self._best_step, excess)
+                onset, excess)
 
     def _rise(self, record: StepRecord, y: float) -> str | None:
         """Track consecutive rises; the reason text when the averaged-records rule fires, else ``None``."""

@@ -193,9 +193,12 @@ class GrowthDetector:
             return None
         if mann_kendall_z(ys[low:]) < cfg.trend_z:
             return None
-        factor, start = safe_exp(rise), float(win.x[low])
-        return (factor, f"{name} grew steadily {factor:.3g}x since step {start:.0f} ({safe_exp(medians[low]):.3g} -> "
-                        f"{safe_exp(medians[-1]):.3g})",
+        # onset: where the last ``growth``-fold began (a series that grew slowly for long, while the loss still
+        # improved, dates its trouble from then, not from the window's start)
+        last_fold = np.flatnonzero(ys[low:] >= medians[-1] - math.log(cfg.growth))
+        factor, start = safe_exp(rise), float(win.x[low + int(last_fold[0])] if len(last_fold) else win.x[low])
+        return (factor, f"{name} grew steadily {factor:.3g}x since step {win.x[low]:.0f} "
+                        f"({safe_exp(medians[low]):.3g} -> {safe_exp(medians[-1]):.3g})",
                 {"factor": factor, "from": safe_exp(medians[low]), "to": safe_exp(medians[-1]), "onset": start,
                  "points": float(points)})
 
