@@ -162,7 +162,7 @@ class GrowthDetector:
         for size in [0, *spans]:
             if size == 0:  # the cumulative rise since the window's lowest level (a slow, steady growth)
                 hit = self._cumulative(name, quantity, value, win)
-                xs = win.x[-int(hit[2]["points"]):] if hit is not None else win.x
+                xs = win.x[-int(hit[2]["points"]):] if hit is not None else win.x  # (points after the warm-up gate)
             else:
                 xs = win.x[-size:]
                 hit = self._fit(name, quantity, value, xs, win.y[-size:])
@@ -183,7 +183,11 @@ class GrowthDetector:
         cfg = self.config
         if quantity == "logit_z" or len(win) < cfg.mid_window:
             return None
-        ys = win.y
+        end = self._lr.warmup_end  # growth from the initialisation through the warm-up is no base to measure from
+        keep = win.x >= cfg.warmup_gate * end if end is not None else np.ones(len(win), dtype=bool)
+        xs, ys = win.x[keep], win.y[keep]
+        if len(ys) < cfg.mid_window:
+            return None
         medians = np.median(np.lib.stride_tricks.sliding_window_view(ys, cfg.smooth), axis=1)
         low = int(np.argmin(medians))
         rise = float(medians[-1] - medians[low])
@@ -191,13 +195,15 @@ class GrowthDetector:
         if rise < math.log(cfg.growth) or points < cfg.short_window or (
                 quantity == "attn_logit_max" and value < cfg.attn_min):
             return None
+        if medians[-1] - medians[max(low, len(medians) - 1 - cfg.short_window)] > rise / 2:
+            return None  # mostly a recent blow-up: the fitted short lines judge (and date) it
         if mann_kendall_z(ys[low:]) < cfg.trend_z:
             return None
-        # onset: where the last ``growth``-fold began (a series that grew slowly for long, while the loss still
-        # improved, dates its trouble from then, not from the window's start)
-        last_fold = np.flatnonzero(ys[low:] >= medians[-1] - math.log(cfg.growth))
-        factor, start = safe_exp(rise), float(win.x[low + int(last_fold[0])] if len(last_fold) else win.x[low])
-        return (factor, f"{name} grew steadily {factor:.3g}x since step {win.x[low]:.0f} "
+        # onset: the first point a quarter of the way up (in log) from the low, as for the fitted lines (a slow
+        # growth dates from where it took off; a blow-up on top of an older slow rise from the blow-up)
+        last_fold = np.flatnonzero(ys[low:] >= medians[low] + rise / 4)
+        factor, start = safe_exp(rise), float(xs[low + int(last_fold[0])] if len(last_fold) else xs[low])
+        return (factor, f"{name} grew steadily {factor:.3g}x since step {xs[low]:.0f} "
                         f"({safe_exp(medians[low]):.3g} -> {safe_exp(medians[-1]):.3g})",
                 {"factor": factor, "from": safe_exp(medians[low]), "to": safe_exp(medians[-1]), "onset": start,
                  "points": float(points)})
