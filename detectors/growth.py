@@ -3,11 +3,12 @@
 Series (global or per module): ``attn_logit_max`` -> ``attention_logit_growth``, ``act_absmax`` ->
 ``activation_growth``, ``logit_z`` -> ``logit_divergence``. For each series the detector keeps the last
 ``window`` (192) values it was recorded at. A slow, steady growth is a *cumulative* rise: the latest
-``smooth`` (8)-record median is ``growth`` (4x) over the lowest such median of the window, and the points since
-that low rise steadily (Mann-Kendall z >= ``trend_z``, 4). Faster growth is a robust line
-(``_stats.robust_line``, a cheap Theil-Sen) fitted to ``log(value)`` (``attn_logit_max``, ``act_absmax``) or to
-the raw value (``logit_z`` is already a log) over the whole window, else its last ``mid_window`` (48) or
-``short_window`` (16) values (a fast explosion). It fires a WARNING when, over that span:
+``smooth`` (8)-record median is ``growth`` (4x) over the lowest such median of the window after
+``warmup_gate`` x the warm-up, the points since that low rise steadily (Mann-Kendall z >= ``trend_z``, 4) and
+not mostly within the last ``short_window`` records (a blow-up is left to the fitted lines). Faster growth is a
+robust line (``_stats.robust_line``, a cheap Theil-Sen) fitted to ``log(value)`` (``attn_logit_max``,
+``act_absmax``) or to the raw value (``logit_z`` is already a log) over the whole window, else its last
+``mid_window`` (48) or ``short_window`` (16) values (a fast explosion). It fires a WARNING when, over that span:
 
 * the rise is at least ``log(growth)`` (4x) for logs, or ``z_drift`` (2 nats) away from 0 for ``logit_z``,
 * the rise is steady: at least ``steady`` (6) robust sigmas of the residuals around the line,
