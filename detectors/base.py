@@ -36,6 +36,7 @@ KINDS: tuple[str, ...] = (
     "update_ratio_jump",
     "adam_v_lag",
     "plateau",
+    "lr_off_schedule",
 )
 """Finding kinds produced by the built-in detectors."""
 

@@ -6,14 +6,29 @@
 * Upward Page-Hinkley on clipped robust residuals (detection.md D2): ``S = max(0, S + min(z, clip) - delta)``;
   fires when ``S >= threshold`` after ``window`` accepted points. Points are not accepted while ``S >= freeze``, so
   the level stays at its pre-incident value during a drift.
-* Backstop: the median of the last ``smooth`` log losses sits >= ``backstop_ratio`` (2x) over ``L`` for more than
-  ``backstop_steps`` consecutive records.
+* Backstop: the median of the last ``smooth`` log losses sits >= ``backstop_ratio`` (2x) over ``L`` (and >= 2
+  robust sigmas of the per-record noise: a loss spanning decades per step, a CNN near 0 loss, doubles its
+  median by chance) for more than ``backstop_steps`` consecutive records.
 
 * Averaged records (``loss_steps`` >= ``rise_min_steps``, 4: each loss is the mean of that many steps, as
   Megatron's ``log_interval`` gives): ``rise_records`` (3) consecutive rising records totalling >=
   ``rise_ratio`` (1.5x) are a divergence even before the window has filled (a 5-row excerpt logged every 10
   iterations). Means are quiet: on 4-step means of the clean baselines a 3-record rise reaches 1.34x at most,
   on 10-step means 1.16x; on per-step losses it reaches 1.95x, so per-step records never use this rule.
+* Slow rise on a run that was improving (a trend test; issue #8: 0.3-1 %/step under 2-5 % noise is a
+  divergence long before it is a spike): over the last ``trend_window`` (64) records of *all* finite log
+  losses, the Mann-Kendall statistic is >= ``trend_z`` (3.5) and the robust line's level at the last record
+  (``robust_line``, a cheap Theil-Sen) sits >= ``trend_excess`` (10 %) above the *running best* (the lowest
+  median of ``trend_smooth`` (16) consecutive records so far; and >= 3 standard errors of such a median on a
+  very noisy loss), for ``trend_confirm`` (5) consecutive records.
+  The onset is where the fitted line leaves the best level (not before the loss was last at its best). After
+  it fires, the best is re-set to the current level (the next alert needs another 10 %). The page-Hinkley
+  level (a median of accepted points) follows a slow rise up, this test does not: its reference is the best
+  the run reached.
+  Calibration: on the seven clean baselines (61k per-step records, and their 10-step means and samples) no
+  record has z >= 3.5 with any excess; with z >= 3 the largest excess is 10.3 % (the 1.5B run's spiky phase
+  near step 12k), so both thresholds have margin. On synthetic slow rises (noise 2-5 %, rise 0.3-1 %/step,
+  4 seeds each) the alert comes 18-43 steps after the rise starts (median ~26), never before it.
 * Re-baseline after a divergence: ``rebaseline`` (200) records after firing with the drift still on, the window
   is cleared and refilled from the new level (the run continues at a new regime, e.g. after an LR cut) instead of
   staying frozen on the pre-incident level forever.
@@ -35,7 +50,17 @@ from stability.detectors._stats import Window, log_positive, mad_scale, median, 
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord, loss_steps
 
-__all__ = ["DivergenceConfig", "DivergenceDetector"]
+__all__ = ["DivergenceConfig", "DivergenceDetector", "mann_kendall_z"]
+
+
+def mann_kendall_z(y: np.ndarray) -> float:
+    """Mann-Kendall trend statistic of ``y`` (no ties correction), as a z score: ~N(0, 1) without a trend,
+    positive for a rising series. O(n^2) in numpy (64 points: ~40 us)."""
+    n = len(y)
+    if n < 3:
+        return 0.0
+    s = float(np.sum(np.triu(np.sign(y[None, :] - y[:, None]), 1)))
+    return (s - math.copysign(1.0, s)) / math.sqrt(n * (n - 1) * (2 * n + 5) / 18.0) if s else 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,6 +81,11 @@ class DivergenceConfig:
     rise_min_steps: float = 4.0
     rise_records: int = 3
     rise_ratio: float = 1.5
+    trend_window: int = 64
+    trend_smooth: int = 16
+    trend_z: float = 3.5
+    trend_excess: float = 0.1
+    trend_confirm: int = 5
 
 
 class DivergenceDetector:
@@ -76,6 +106,10 @@ class DivergenceDetector:
         self._prev: float | None = None
         self._rises = 0
         self._rise_from = (0, 0.0)
+        self._trend = Window(self.config.trend_window)
+        self._best = math.inf
+        self._best_step = 0
+        self._trend_run = 0
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
@@ -85,6 +119,7 @@ class DivergenceDetector:
         cfg = self.config
         self._recent.append(y)
         rise = self._rise(record, y)
+        trend = self._trend_rule(record, y)
         if len(self._window) < cfg.window:
             self._window.push(record.step, y)
             if rise is None or self._fired:
@@ -104,15 +139,13 @@ class DivergenceDetector:
         elif self._onset is None:
             self._onset = record.step
         smoothed = median(np.fromiter(self._recent, dtype=np.float64))
-        self._above = self._above + 1 if smoothed - level >= math.log(cfg.backstop_ratio) else 0
+        # 2x, and beyond the noise: a loss spanning decades per step (a CNN near 0 loss) doubles its median by chance
+        self._above = self._above + 1 if smoothed - level >= max(math.log(cfg.backstop_ratio), 2 * scale) else 0
         if self._ph < cfg.freeze and self._above == 0:
             self._window.push(record.step, y)
             self._fired = False
         if self._fired:
-            self._since_fired += 1
-            if self._since_fired >= cfg.rebaseline:
-                self._window.clear()
-                self._ph, self._onset, self._above, self._fired, self._since_fired = 0.0, None, 0, False, 0
+            self._cool()
             return []
         onset = self._onset if self._onset is not None else record.step
         if self._ph >= cfg.threshold:
@@ -121,10 +154,53 @@ class DivergenceDetector:
             why = f"smoothed loss >= {cfg.backstop_ratio:g}x its pre-incident level for {self._above} records"
         elif rise is not None:
             why, onset = rise, min(onset, self._rise_from[0])
+        elif trend is not None:
+            return self._trend_finding(record, y, trend)
         else:
             return []
         self._fired, self._since_fired = True, 0
         return [self._finding(record, y, why, onset, ratio=safe_exp(smoothed - level), level=level, z=z)]
+
+    def _cool(self) -> None:
+        """After a divergence: re-baseline once it has lasted ``rebaseline`` records (a new regime)."""
+        self._since_fired += 1
+        if self._since_fired >= self.config.rebaseline:
+            self._window.clear()
+            self._ph, self._onset, self._above, self._fired, self._since_fired = 0.0, None, 0, False, 0
+
+    def _trend_finding(self, record: StepRecord, y: float, trend: tuple[str, int, float]) -> list[Finding]:
+        why, onset, excess = trend
+        self._fired, self._since_fired = True, 0
+        base, self._best = self._best, self._best + excess  # the next alert needs another trend_excess
+        return [self._finding(record, y, why, onset, ratio=safe_exp(excess), level=base, z=math.nan)]
+
+    def _trend_rule(self, record: StepRecord, y: float) -> tuple[str, int, float] | None:
+        """Track the running best; ``(reason, onset, excess)`` once a confirmed upward trend sits
+        ``trend_excess`` above it, else ``None``."""
+        cfg = self.config
+        self._trend.push(record.step, y)
+        ys = self._trend.y
+        if len(ys) >= cfg.trend_smooth:
+            smooth = median(ys[-cfg.trend_smooth:])
+            if smooth < self._best:
+                self._best, self._best_step = smooth, record.step
+        if len(ys) < cfg.trend_window:
+            return None
+        level, slope = robust_line(self._trend.x, ys)
+        excess = level - self._best
+        noise = mad_scale(ys - (level + slope * (self._trend.x - self._trend.x[-1])))  # of one record
+        needed = max(cfg.trend_excess, 3.0 * 1.2533 * noise / math.sqrt(cfg.trend_smooth))  # 3 se of a median
+        hit = slope > 0 and excess >= needed and mann_kendall_z(ys) >= cfg.trend_z
+        self._trend_run = self._trend_run + 1 if hit else 0
+        if self._trend_run < cfg.trend_confirm:
+            return None
+        z = mann_kendall_z(ys)
+        # onset: where the fitted line leaves the best level (a loss that sat flat at its best since long ago
+        # started to rise there, not when it was last at its best)
+        onset = max(self._best_step, min(record.step, int(record.step - excess / slope)))
+        return (f"a rising trend over the last {len(ys)} records (Mann-Kendall z {z:.1f}), the loss's fitted level "
+                f"{safe_exp(excess):.3g}x its best {safe_exp(self._best):.4g} (step {self._best_step})",
+                onset, excess)
 
     def _rise(self, record: StepRecord, y: float) -> str | None:
         """Track consecutive rises; the reason text when the averaged-records rule fires, else ``None``."""
@@ -164,7 +240,9 @@ class DivergenceDetector:
         return {"window": self._window.state_dict(), "recent": list(self._recent), "ph": self._ph,
                 "onset": self._onset, "above": self._above, "fired": self._fired,
                 "since_fired": self._since_fired, "prev": self._prev, "rises": self._rises,
-                "rise_from": list(self._rise_from)}
+                "rise_from": list(self._rise_from), "trend": self._trend.state_dict(),
+                "best": None if math.isinf(self._best) else self._best, "best_step": self._best_step,
+                "trend_run": self._trend_run}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
@@ -180,4 +258,10 @@ class DivergenceDetector:
         self._rises = int(state.get("rises", 0))
         step, base = state.get("rise_from", (0, 0.0))
         self._rise_from = (int(step), float(base))
+        if "trend" in state:
+            self._trend.load_state_dict(state["trend"])
+        best = state.get("best")
+        self._best = math.inf if best is None else float(best)
+        self._best_step = int(state.get("best_step", 0))
+        self._trend_run = int(state.get("trend_run", 0))
 

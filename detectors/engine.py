@@ -55,6 +55,7 @@ from stability.detectors.history import History
 from stability.detectors.nan import NanConfig, NanDetector
 from stability.detectors.plateau import PlateauConfig, PlateauDetector
 from stability.detectors.ranking import KIND_CAUSE, MAX_SKIP_BATCHES, rank_causes
+from stability.detectors.schedule import ScheduleConfig, ScheduleDetector
 from stability.detectors.spike import SpikeConfig, SpikeDetector
 from stability.detectors.update import LAYER_GRAD, AdamLagConfig, AdamLagDetector, LayerJumpConfig, LayerJumpDetector
 from stability.detectors.vanish import GradVanishingDetector, VanishConfig
@@ -65,7 +66,7 @@ __all__ = ["DiagnoserConfig", "Incident", "RunDiagnoser"]
 logger = logging.getLogger(__name__)
 
 KIND_PRIORITY = ("rank_disagreement", "nan", "loss_spike", "divergence", "grad_explosion", "loss_scale_collapse",
-                 "grad_vanishing", "attention_logit_growth", "logit_divergence", "activation_growth",
+                 "lr_off_schedule", "grad_vanishing", "attention_logit_growth", "logit_divergence", "activation_growth",
                  "update_ratio_jump", "adam_v_lag", "plateau")
 """Headline preference among findings of equal severity in one incident (the loss-level event names it)."""
 
@@ -93,6 +94,7 @@ class DiagnoserConfig:
     layer_grad: LayerJumpConfig = LAYER_GRAD
     adam_lag: AdamLagConfig = field(default_factory=AdamLagConfig)
     plateau: PlateauConfig = field(default_factory=PlateauConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     crossrank: CrossRankConfig = field(default_factory=CrossRankConfig)
     fuse_steps: int = 20
     """Findings within this many steps of an incident's last finding join it."""
@@ -175,6 +177,7 @@ class _RankSuite:
 
     def __init__(self, config: DiagnoserConfig) -> None:
         self.detectors: list[Detector] = [
+            ScheduleDetector(config.schedule),  # first: an LR change precedes everything it causes
             NanDetector(config.nan), SpikeDetector(config.spike), DivergenceDetector(config.divergence),
             GradExplosionDetector(config.grad), LossScaleDetector(config.loss_scale),
             GradVanishingDetector(config.vanish), GrowthDetector(config.growth), LayerJumpDetector(config.update),

@@ -1,4 +1,4 @@
-"""Per-rank recent history for root-cause ranking: ring buffers of signals plus an LR-schedule tracker.
+"""Per-rank recent history for root-cause ranking: ring buffers of signals plus the learned LR schedule.
 
 Values are stored as float32 (in memory and in the state), so a restored history ranks exactly like the
 original. Global signals keep ``steps`` records, per-module signals (``<quantity>/<module>`` for the quantities in
@@ -9,14 +9,17 @@ Size of the state: about ``4 * module_steps * max_series`` bytes (196 KB for 96 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import numpy as np
 
+from stability.detectors.schedule import LrSchedule
 from stability.records import StepRecord, split_signal
 
 __all__ = ["History", "LrTracker", "Ring", "TRACKED_QUANTITIES"]
+
+LrTracker = LrSchedule
+"""The LR-schedule model every detector and the ranking read (:mod:`~stability.detectors.schedule`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -72,81 +75,6 @@ class Ring:
         self.count = int(state["count"])
         self.steps = np.frombuffer(state["steps"], dtype=np.int64).copy()
         self.series = {k: np.frombuffer(v, dtype=np.float32).copy() for k, v in state["series"].items()}
-
-
-class LrTracker:
-    """Follows the LR schedule in O(1): the warm-up ramp, later jumps and later gradual rises.
-
-    A rise that starts within the first ``warmup_start`` records is the warm-up (it ends at the first record that
-    does not rise). A rise that starts later is not a warm-up: a one-step jump >= 1.5x after >= 5 records that did
-    not rise (flat or decaying) is a *jump*; any later rising run is tracked as a *rise* (``rise_start`` /
-    ``rise_from``), so a gradual increase (e.g. x1.06 per step) is seen as an LR increase, not as a warm-up.
-    """
-
-    warmup_start = 3
-
-    def __init__(self) -> None:
-        self.last: float | None = None
-        self.records = 0
-        self.flat_run = 0
-        self.warmup_end: int | None = None
-        """Step at which the initial rising ramp stopped (None while still rising or unknown)."""
-        self.rising = False
-        """True while the initial warm-up ramp is still rising."""
-        self.ramp_started = False
-        self.last_jump: int | None = None
-        self.jump_factor = 1.0
-        self.rise_start: int | None = None
-        """Step before the first rising record of the current (or last) post-warm-up rise."""
-        self.rise_from = 0.0
-        """LR at ``rise_start``."""
-        self.rise_end: int | None = None
-        """Last step of that rise (None while still rising)."""
-        self.peak = 0.0
-        self._prev_step = 0
-
-    def update(self, step: int, lr: float) -> None:
-        """Consume the LR of one record (non-finite or absent values are ignored)."""
-        if not math.isfinite(lr) or lr <= 0:
-            return
-        self.records += 1
-        self.peak = max(self.peak, lr)
-        if self.last is not None:
-            factor = lr / self.last
-            if factor > 1.0 + 1e-9:
-                if self.rising:
-                    pass
-                elif not self.ramp_started and self.records <= self.warmup_start:
-                    self.ramp_started = self.rising = True
-                else:
-                    if self.flat_run >= 5 and factor >= 1.5:
-                        self.last_jump, self.jump_factor = step, factor
-                    if self.rise_start is None or self.rise_end is not None:
-                        self.rise_start, self.rise_from, self.rise_end = self._prev_step, self.last, None
-                self.flat_run = 0
-            else:
-                if self.rising:
-                    self.warmup_end = step
-                    self.rising = False
-                if self.rise_start is not None and self.rise_end is None:
-                    self.rise_end = self._prev_step
-                self.flat_run += 1  # not rising: flat or decaying (a jump out of a decay is a jump too)
-        self.last = lr
-        self._prev_step = step
-
-    def in_warmup(self, step: int, gate: float = 1.0) -> bool:
-        """True while the warm-up ramp rises, or at ``step`` before ``gate`` times the step it ended."""
-        end = self.warmup_end
-        return self.rising or (end is None and self.ramp_started) or (end is not None and step < gate * end)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain-data state."""
-        return dict(vars(self))
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        for key, value in state.items():
-            setattr(self, key, value)
 
 
 class History:

@@ -10,6 +10,10 @@ detection.md D5), capped by what a slow power law ``L ~ t^-0.02`` would still ga
 at step 10k). Gates: the LR warm-up is over and the LR (when recorded) is above
 ``lr_floor`` (10%) of its peak (a decayed LR legitimately flattens the loss).
 
+The evidence carries ``lr_ratio``, the LR now over its lowest value in the window: a loss that stalls while the
+LR *rose* (an LR leaving its schedule stalls the loss before it diverges) is not starved of LR, and the ranking
+then names ``lr_too_high``, never ``lr_too_low``.
+
 A plateau is INFO; it becomes a WARNING (once) when it lasts ``warn_windows`` (3) windows. It re-arms when the
 loss improves again by ``min_improvement`` with the same confidence.
 
@@ -58,6 +62,8 @@ class PlateauDetector:
     def __init__(self, config: PlateauConfig | None = None) -> None:
         self.config = config or PlateauConfig()
         self._win = Window(self.config.window)
+        self._lrs = Window(self.config.window)
+        """log LR of the window's records (NaN where absent)."""
         self._lr = LrTracker()
         self._count = 0
         self._onset: int | None = None
@@ -73,6 +79,7 @@ class PlateauDetector:
         if y is None:
             return []
         self._win.push(record.step, y)
+        self._lrs.push(record.step, math.log(lr) if lr > 0 and math.isfinite(lr) else math.nan)
         self._count += 1
         if len(self._win) < cfg.window or self._count % cfg.every:
             return []
@@ -97,6 +104,11 @@ class PlateauDetector:
         evidence = {"improvement": gain, "se": se, "window": float(len(ys)), "needed": needed}
         what = (f"loss improved {100 * gain:.2g}% (+-{200 * se:.1g}%) over the last {span} steps "
                 f"({safe_exp(m_first):.4g} -> {safe_exp(m_last):.4g})")
+        logs = self._lrs.y[np.isfinite(self._lrs.y)]
+        if len(logs) and math.isfinite(self._lrs.y[-1]):
+            evidence["lr_ratio"] = safe_exp(float(self._lrs.y[-1] - logs.min()))
+            if evidence["lr_ratio"] >= 1.2:
+                what += f", while the lr rose {evidence['lr_ratio']:.3g}x"
         if self._onset is None:
             self._onset = int(self._win.x[0])
             return [self._finding(record, Severity.INFO, f"plateau: {what}", evidence)]
@@ -118,12 +130,15 @@ class PlateauDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
-        return {"win": self._win.state_dict(), "lr": self._lr.state_dict(), "count": self._count,
+        return {"win": self._win.state_dict(), "lrs": self._lrs.state_dict(), "lr": self._lr.state_dict(),
+                "count": self._count,
                 "onset": self._onset, "warned": self._warned}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self._win.load_state_dict(state["win"])
+        if "lrs" in state:
+            self._lrs.load_state_dict(state["lrs"])
         self._lr.load_state_dict(state["lr"])
         self._count = int(state["count"])
         self._onset = state["onset"]

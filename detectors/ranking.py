@@ -90,7 +90,8 @@ def _event_name(finding: Finding) -> str:
             "grad_explosion": "the grad-norm explosion", "loss_scale_collapse": "the loss-scale collapse",
             "grad_vanishing": "the gradient collapse", "rank_disagreement": "the disagreement",
             "attention_logit_growth": "the attention-logit growth", "activation_growth": "the activation growth",
-            "logit_divergence": "the logit drift", "plateau": "the plateau"}.get(finding.kind, f"the {finding.kind}")
+            "logit_divergence": "the logit drift", "plateau": "the plateau",
+            "lr_off_schedule": "the LR rise"}.get(finding.kind, f"the {finding.kind}")
 
 
 class _Hints:
@@ -145,8 +146,20 @@ KIND_CAUSE = {
     "grad_vanishing": ("vanishing_gradients", 0.9),
     "activation_growth": ("lr_too_high", 0.55),
     "plateau": ("lr_too_low", 0.6),
+    "lr_off_schedule": ("lr_too_high", 0.88),  # below the gradient rules' 0.9-0.92, whose evidence says more
 }
 """Finding kinds that name their cause structurally, with the score of that cause."""
+
+LR_ROSE = 1.2
+"""A plateau while the LR rose this much over its window is no sign of an LR too low (its evidence ``lr_ratio``)."""
+
+
+def _kind_cause(finding: Finding) -> tuple[str, float] | None:
+    """The cause a finding names by its kind; a plateau names ``lr_too_high`` when the LR rose over its window (a
+    loss that stalls while the LR climbs is not starved of LR)."""
+    if finding.kind == "plateau" and finding.evidence.get("lr_ratio", 1.0) >= LR_ROSE:
+        return ("lr_too_high", 0.6)
+    return KIND_CAUSE.get(finding.kind)
 
 PRECURSOR_WINDOW = 100
 """Earlier findings of the rank within this many steps before the onset count as precursors."""
@@ -169,7 +182,7 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
     scale = find_move(history.globals, "loss_scale", t0, factor=4.0, lead_steps=50, lead_records=5, rise=False)
     if scale is not None and scale.lead > 0:
         precursors.append(scale)
-    structural = KIND_CAUSE.get(finding.kind)
+    structural = _kind_cause(finding)
     if structural is not None:
         hints.add(structural[0], structural[1] - _symptom_of_lr(finding, history, hints), finding.message)
     if finding.kind == "adam_v_lag":  # its own cause, but not a precursor cause of later findings (_adam_rule is)
@@ -201,11 +214,14 @@ def _recent_hints(finding: Finding, history: History, hints: _Hints, recent: Seq
     whose series, for a growth, grew before it too)."""
     t0, precursors = finding.onset, []
     for earlier in recent:
-        cause = KIND_CAUSE.get(earlier.kind)
+        cause = _kind_cause(earlier)
         if cause is None or earlier is finding or earlier.kind == finding.kind:
             continue
         lead = t0 - earlier.onset
-        if not -FOLLOW_WINDOW <= lead <= PRECURSOR_WINDOW:
+        ongoing = earlier.kind == "lr_off_schedule" and history.lr.off_since == earlier.onset  # the LR is still up
+        if ongoing and earlier.onset <= finding.step:
+            lead = max(lead, 1)  # the LR left its schedule before this alert and still is off: a precursor
+        elif not -FOLLOW_WINDOW <= lead <= PRECURSOR_WINDOW:
             continue
         if lead > 0 and earlier.kind in GROWTH and not _grew_before(history, earlier.signal, t0):
             when, penalty = f"but {earlier.signal} did not grow before {event} (a consequence)", 0.4
@@ -285,6 +301,11 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
             text += f"; {describe(first, event)}"
         hints.add("lr_too_high", 0.9, text, first.signal if first is not None else "lr")
         found.append(Move("lr", lr.last_jump, lr.jump_factor, lr.jump_factor, lead))
+    elif (off := _off_schedule(history, t0, finding.step)) is not None:
+        text = off if first is None else f"{off}; {describe(first, event)}"
+        hints.add("lr_too_high", 0.92, text, first.signal if first is not None else "lr")
+        since, factor = history.lr.off_since or t0, (history.lr.last or 1.0) / history.lr.anchor
+        found.append(Move("lr", since, factor, factor, t0 - since))
     elif (rise := lr_rise(history, t0)) is not None:
         text = (f"lr rose {rise.factor:.3g}x over the {plural(rise.lead, 'step')} before the onset (rising from step "
                 f"{rise.step})")
@@ -309,6 +330,27 @@ def _gradient_rules(finding: Finding, history: History, hints: _Hints, event: st
         hints.add("vanishing_gradients", 0.6, describe(min(falls, key=lambda m: m.peak), event))
     _warmup_rule(history, hints, t0, event)
     return found
+
+
+def _lr_change(history: History, t0: int) -> int | None:
+    """Step of the LR change before ``t0`` that the LR rules blame (a jump within 100 steps, or the start of an
+    off-schedule rise), if any."""
+    lr = history.lr
+    if lr.last_jump is not None and t0 - 100 <= lr.last_jump <= t0:
+        return lr.last_jump
+    return lr.off_since if lr.off_since is not None and lr.off_since <= t0 else None
+
+
+def _off_schedule(history: History, t0: int, step: int) -> str | None:
+    """The evidence when the LR has been off its learned schedule since before the alert at ``step`` (and still
+    is); a slow loss rise's onset estimate may precede the LR's departure (the loss had flattened first)."""
+    lr = history.lr
+    since = lr.off_since
+    if since is None or since > step or lr.last is None or lr.anchor <= 0:
+        return None
+    when = f"{plural(t0 - since, 'step')} before the onset" if since <= t0 else f"before the alert (step {step})"
+    return (f"lr off its schedule since step {since}: it rose {lr.last / lr.anchor:.3g}x from {lr.anchor:.3g} "
+            f"(step {lr.anchor_step}) outside the warm-up and restarts, {when}")
 
 
 NO_WARMUP_START = 10
@@ -469,8 +511,15 @@ def _slow_rules(finding: Finding, history: History, hints: _Hints, event: str) -
             best = (factor, f"{name} grew {factor:.3g}x ({pair[0]:.3g} -> {pair[1]:.3g}) over the "
                             f"{plural(pair[2], 'step')} up to {event}")
     if best is not None:
-        hints.add("attention_logit_growth", 0.85 if best[0] >= 10 else 0.75 if best[0] >= 3 else 0.5, best[1],
-                  "attn_logit_max")
+        score = 0.85 if best[0] >= 10 else 0.75 if best[0] >= 3 else 0.5
+        lr_step = _lr_change(history, t0)
+        before = None if lr_step is None else max(
+            ((p[1] / p[0], n) for n in modules(mods, "attn_logit_max")
+             if (p := _growth(mods, n, lr_step - 1)) is not None and p[0] > 0 and p[1] >= ATTN_LEVEL), default=None)
+        if lr_step is not None and before is not None and before[0] >= 3.0 and best[0] >= 3.0:
+            score, best = 0.91, (best[0], f"{best[1]}; {before[1]} had already grown {before[0]:.3g}x before the lr "
+                                          f"changed at step {lr_step}: the lr change did not start it")
+        hints.add("attention_logit_growth", score, best[1], "attn_logit_max")
     for name, ring in [("logit_z", glob)] + [(n, mods) for n in modules(mods, "logit_z")]:
         pair = _growth(ring, name, t0, span=96)
         if pair and abs(pair[1] - pair[0]) >= 2.0 and abs(pair[1]) >= 3.0:

@@ -148,9 +148,12 @@ def test_gradual_lr_increase_is_lr_too_high_not_data_shift() -> None:
     s["loss"][430:] *= np.maximum(1.0, ramp[430:] / 3.0) ** 0.8  # the loss responds once the lr is ~3x
     _, diag = diagnose(s)
     causes = headline_cause(diag)
-    assert causes and causes[0][1] == "lr_too_high", causes
-    top = diag.incidents[0].headline.causes[0]
-    assert re.search(r"lr rose \d+(\.\d+)?x over the \d+ steps before the onset", top.evidence), top.evidence
+    assert causes and all(c == "lr_too_high" for _, c in causes), causes
+    assert causes[0][0] == "lr_off_schedule"  # the LR leaving its schedule is warned before the loss moves
+    loss = next(i for i in diag.incidents if i.headline.kind in ("divergence", "loss_spike"))
+    top = loss.headline.causes[0]
+    assert re.search(r"lr (rose \d+(\.\d+)?x over the \d+ steps before the onset|off its schedule since step 40)",
+                     top.evidence), top.evidence
 
 
 def test_warmup_then_gradual_increase_is_still_lr_too_high() -> None:
@@ -350,11 +353,13 @@ def test_update_ratio_jump_with_the_lr_is_an_early_lr_too_high_warning() -> None
     s["lr"][500:502] *= 200.0
     s["update_ratio/h.1.attn"][500:502] *= 200.0
     s["loss"][501:506] *= 2.0
-    alerts, _ = diagnose(s)
+    alerts, diag = diagnose(s)
     first, second = alerts[:2]
-    assert (first.kind, first.step, first.severity) == ("update_ratio_jump", 500, Severity.WARNING)
-    assert first.causes[0].cause == "lr_too_high" and "lr raised 200x at step 500" in first.causes[0].evidence
-    assert "update_ratio/h.1.attn jumped" in first.message
+    assert (first.kind, first.step, first.severity) == ("lr_off_schedule", 500, Severity.WARNING)
+    assert first.causes[0].cause == "lr_too_high" and "lr jumped 200x at step 500" in first.message
+    jump = next(f for f in diag.incidents[0].findings if f.kind == "update_ratio_jump")  # same incident, same step
+    assert jump.step == 500 and jump.causes[0].cause == "lr_too_high"
+    assert "lr raised 200x at step 500" in jump.causes[0].evidence and "update_ratio/h.1.attn jumped" in jump.message
     assert (second.kind, second.step, second.severity) == ("loss_spike", 502, Severity.ERROR)
 
 
