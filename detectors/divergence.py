@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._stats import Window, log_positive, mad_scale, median, robust_line, safe_exp
+from stability.detectors._stats import Window, log_positive, mad_scale, median, robust_line, safe_exp, times
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord, loss_steps
 
@@ -216,7 +216,7 @@ class DivergenceDetector:
         total = safe_exp(y - self._rise_from[1])
         if steps < cfg.rise_min_steps or self._rises < cfg.rise_records or total < cfg.rise_ratio:
             return None
-        return (f"{self._rises} consecutive rising records ({total:.2f}x since step {self._rise_from[0]}), each a "
+        return (f"{self._rises} consecutive rising records ({times(total)} since step {self._rise_from[0]}), each a "
                 f"mean over {steps:g} steps")
 
     def _finding(self, record: StepRecord, y: float, why: str, onset: int, *, ratio: float, level: float,
@@ -226,7 +226,7 @@ class DivergenceDetector:
             evidence["z"] = z
         return Finding(
             kind=self.kind, step=record.step, onset=min(onset, record.step), severity=Severity.ERROR,
-            signal="loss", value=safe_exp(y), message=f"loss diverging: {why}; {what} {ratio:.2f}x the "
+            signal="loss", value=safe_exp(y), message=f"loss diverging: {why}; {what} {times(ratio)} the "
             f"pre-incident level {safe_exp(level):.4g}", detector=self.name, rank=record.rank,
             score=self._ph or ratio, evidence=evidence,
         )

@@ -57,7 +57,14 @@ from stability.detectors.plateau import PlateauConfig, PlateauDetector
 from stability.detectors.ranking import KIND_CAUSE, MAX_SKIP_BATCHES, rank_causes
 from stability.detectors.schedule import ScheduleConfig, ScheduleDetector
 from stability.detectors.spike import SpikeConfig, SpikeDetector
-from stability.detectors.update import LAYER_GRAD, AdamLagConfig, AdamLagDetector, LayerJumpConfig, LayerJumpDetector
+from stability.detectors.update import (
+    LAYER_GRAD,
+    UPDATE_RATIO,
+    AdamLagConfig,
+    AdamLagDetector,
+    LayerJumpConfig,
+    LayerJumpDetector,
+)
 from stability.detectors.vanish import GradVanishingDetector, VanishConfig
 from stability.records import StepRecord
 
@@ -90,7 +97,7 @@ class DiagnoserConfig:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     vanish: VanishConfig = field(default_factory=VanishConfig)
     growth: GrowthConfig = field(default_factory=GrowthConfig)
-    update: LayerJumpConfig = field(default_factory=LayerJumpConfig)
+    update: LayerJumpConfig = UPDATE_RATIO
     layer_grad: LayerJumpConfig = LAYER_GRAD
     adam_lag: AdamLagConfig = field(default_factory=AdamLagConfig)
     plateau: PlateauConfig = field(default_factory=PlateauConfig)
@@ -372,30 +379,37 @@ class RunDiagnoser:
         return True
 
     def _rediagnose(self, rank: int, finding: Finding) -> Finding:
-        """A warning/error stronger than the rank's last incident, within ``rediagnose_steps`` of its onset, whose
-        first cause differs: the later, stronger evidence supersedes the earlier diagnosis (the first thing an
-        operator read must not stay wrong). The finding gets ``evidence["rediagnoses"]`` = the earlier onset; the
-        earlier incident's headline takes the new causes (its report shows them, the old ones follow, scored no
-        higher) and records ``rediagnosed_by`` (when the finding joins that incident it becomes its headline)."""
-        earlier = self._open.get(rank)
-        if (earlier is None or finding.severity is Severity.INFO or not finding.causes
-                or finding.severity.rank <= earlier.alerted.rank
-                or not 0 <= finding.onset - earlier.onset <= self.config.rediagnose_steps):
+        """A warning/error stronger than a recent incident of the rank (onset within ``rediagnose_steps`` before
+        its own), whose first cause differs: the later, stronger evidence supersedes the earlier diagnosis (the
+        first thing an operator read must not stay wrong). The finding gets ``evidence["rediagnoses"]`` = the
+        earliest such onset; each such incident's headline takes the new causes (its report shows them, the old
+        ones follow, scored no higher) and records ``rediagnosed_by``. Incidents in between (an LR precursor that
+        already names the same cause) are not touched."""
+        if finding.severity is Severity.INFO or not finding.causes:
             return finding
-        head = earlier.headline
         new = finding.causes[0]
-        if head.causes and head.causes[0].cause == new.cause:
+        earliest: int | None = None
+        for earlier in reversed(self.incidents):
+            if earlier.rank != rank:
+                continue
+            if finding.onset - earlier.onset > self.config.rediagnose_steps:
+                break
+            head = earlier.headline
+            if (finding.severity.rank <= earlier.alerted.rank or finding.onset < earlier.onset
+                    or (head.causes and head.causes[0].cause == new.cause)):
+                continue
+            note = f"re-diagnosed by the {finding.kind} {finding.severity.value} at step {finding.step}"
+            lowest = finding.causes[-1].score
+            causes = (dataclasses.replace(new, evidence=f"{note}: {new.evidence}"), *finding.causes[1:],
+                      *(dataclasses.replace(c, score=min(c.score, lowest)) for c in head.causes
+                        if c.cause not in {h.cause for h in finding.causes}))
+            index = next(i for i, f in enumerate(earlier.findings) if f is head)
+            earlier.findings[index] = dataclasses.replace(head, causes=causes)
+            earlier.rediagnosed_by = finding.step
+            earliest = earlier.onset
+        if earliest is None:
             return finding
-        finding = dataclasses.replace(finding, evidence={**finding.evidence, "rediagnoses": float(earlier.onset)})
-        note = f"re-diagnosed by the {finding.kind} {finding.severity.value} at step {finding.step}"
-        lowest = finding.causes[-1].score
-        causes = (dataclasses.replace(new, evidence=f"{note}: {new.evidence}"), *finding.causes[1:],
-                  *(dataclasses.replace(c, score=min(c.score, lowest)) for c in head.causes
-                    if c.cause not in {h.cause for h in finding.causes}))
-        index = next(i for i, f in enumerate(earlier.findings) if f is head)
-        earlier.findings[index] = dataclasses.replace(head, causes=causes)
-        earlier.rediagnosed_by = finding.step
-        return finding
+        return dataclasses.replace(finding, evidence={**finding.evidence, "rediagnoses": float(earliest)})
 
     @staticmethod
     def _rerank(suite: _RankSuite, incident: Incident, head: Finding) -> None:

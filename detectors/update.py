@@ -65,7 +65,8 @@ from stability.records import StepRecord, split_signal
 MAX_SERIES = 512
 """Series with an own baseline (per rank)."""
 
-__all__ = ["EMBEDDING_MODULE", "LAYER_GRAD", "AdamLagConfig", "AdamLagDetector", "LayerJumpConfig", "LayerJumpDetector"]
+__all__ = ["EMBEDDING_MODULE", "LAYER_GRAD", "UPDATE_RATIO", "AdamLagConfig",
+           "AdamLagDetector", "LayerJumpConfig", "LayerJumpDetector"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +87,10 @@ class LayerJumpConfig:
     warmup_gate: float = 2.0
     cooldown: int = 20
     max_series: int = 512
+    per_lr: bool = False
+    """Judge ``value / lr`` (update ratios scale with the LR): a jump the logged, on-schedule LR explains (a warm
+    restart, a re-warm) is no jump; while the LR is off its schedule the pre-departure LR is the unit, so an
+    unexplained LR rise still shows as a jump."""
     confirm: bool = False
     """Wait for the jumped series' next record: still ``>= confirm_ratio`` over its baseline -> WARNING, back
     under it -> INFO with ``evidence["reverted"]`` (a one-step jump that reverted: a bad batch's gradient)."""
@@ -93,6 +98,9 @@ class LayerJumpConfig:
     max_wait: int = 100
     """Steps to wait for that next record; past them the jump is reported unconfirmed (WARNING)."""
 
+
+UPDATE_RATIO = LayerJumpConfig(per_lr=True)
+"""Per-layer update-ratio jumps, judged per unit of the scheduled LR."""
 
 LAYER_GRAD = LayerJumpConfig(quantity="grad_norm", kind="grad_explosion", name="layer_grad", modules_only=True,
                              factor=20.0, confirm=True)
@@ -109,7 +117,7 @@ class LayerJumpDetector:
     """Streaming per-layer jump detector for one rank (see the module docstring)."""
 
     def __init__(self, config: LayerJumpConfig | None = None) -> None:
-        self.config = config or LayerJumpConfig()
+        self.config = config or UPDATE_RATIO
         self.name = self.config.name
         self.kind = self.config.kind
         self._series: dict[str, _Series] = {}
@@ -172,6 +180,7 @@ class LayerJumpDetector:
         cfg = self.config
         self._lr.update(record.step, record.get("lr"))
         warming = self._lr.in_warmup(record.step, cfg.warmup_gate)
+        shift = self._lr_unit(record.get("lr")) if cfg.per_lr else 0.0
         jumps: list[tuple[float, str, float, float, float]] = []
         levels: dict[str, float] = {}
         for name, value in record.signals.items():
@@ -185,7 +194,7 @@ class LayerJumpDetector:
                 if len(self._series) >= cfg.max_series:
                     continue
                 series = self._series[name] = _Series(cfg)
-            y = math.log(value)
+            y = math.log(value) - shift
             if len(series.base) < cfg.min_points:
                 series.base.accept(record.step, y)
                 continue
@@ -196,13 +205,21 @@ class LayerJumpDetector:
                 series.quiet = max(0, series.quiet - 1)
                 continue
             if series.quiet == 0 and not warming:
-                jumps.append((ratio, name, value, safe_exp(pred.level), z))
-                levels[name] = pred.level
+                jumps.append((ratio, name, value, safe_exp(pred.level + shift), z))
+                levels[name] = pred.level + shift
             series.quiet = cfg.cooldown
         if not jumps:
             return None
         return {"step": record.step, "rank": record.rank, "host": record.host, "jumps": [list(j) for j in jumps],
                 "levels": levels}
+
+    def _lr_unit(self, lr: float) -> float:
+        """log of the LR that explains this record's step size: the logged LR while it follows its schedule,
+        the level it departed from while it rises off it; 0 without a usable LR."""
+        if not (math.isfinite(lr) and lr > 0):
+            return 0.0
+        unit = self._lr.anchor if self._lr.off_since is not None and self._lr.anchor > 0 else lr
+        return math.log(unit)
 
     def finish(self) -> list[Finding]:
         """A jump still waiting for its confirmation is reported unconfirmed (WARNING)."""

@@ -49,6 +49,10 @@ def test_demo_fault_is_diagnosed(tmp_path: Path, fault: str) -> None:
     assert findings["run_id"] == run_dir.name and findings["steps"] == STEPS
     serious = _serious(findings["events"])
     assert serious, findings
+    if fault == "divergence":  # the LR ramp leaves its schedule first: a precursor warning, then the divergence
+        precursor = serious.pop(0)
+        assert precursor["kind"] == "lr_off_schedule" and precursor["severity"] == "warning", precursor
+        assert precursor["causes"][0]["cause"] == "lr_too_high" and lo <= precursor["onset"], precursor
     first = serious[0]
     assert first["kind"] == kind, serious
     assert lo <= first["onset"] <= hi, serious

@@ -157,7 +157,7 @@ def test_a_one_step_jump_with_the_lr_is_not_a_bad_batch() -> None:
         _, diag = diagnose(to_records(s))
         head = diag.incidents[0].headline
         assert head.onset == 500 and head.causes[0].cause == "lr_too_high", head.causes
-        assert next(c.score for c in head.causes if c.cause == "bad_batch") <= 0.5
+        assert next((c.score for c in head.causes if c.cause == "bad_batch"), 0.0) <= 0.5
 
 
 # --- fp16: a skipped overflow step is routine ------------------------------------------------------------------------
@@ -261,7 +261,9 @@ def test_a_later_stronger_incident_rediagnoses_the_earlier_warning() -> None:
         s["loss"][545:560] *= 2.5
         recs = to_records(s)
         alerts, diag = diagnose(recs)
-        first, later = serious(alerts)[:2]
+        first = serious(alerts)[0]
+        # the LR leaving its schedule at 540 is its own precursor warning; the loss spike is the stronger incident
+        later = next(a for a in serious(alerts) if a.severity is Severity.ERROR)
         assert (first.kind, first.severity, first.onset) == ("grad_explosion", Severity.WARNING, 500)
         assert first.causes[0].cause != "lr_too_high"
         assert (later.severity, later.causes[0].cause) == (Severity.ERROR, "lr_too_high")
