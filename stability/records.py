@@ -21,12 +21,12 @@ from __future__ import annotations
 import math
 import re
 import sys
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-import numpy as np
 
 from stability.errors import RecordError
 
@@ -86,7 +86,8 @@ PER_MODULE_QUANTITIES: tuple[str, ...] = (
 )
 """Well-known per-module quantities, used as ``<quantity>/<module path>``."""
 
-_LE_F64 = np.dtype("<f8")
+_SWAP = sys.byteorder != "little"
+"""Signal values travel as little-endian float64 (``array`` keeps the training-side import free of numpy)."""
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
 
 
@@ -129,8 +130,8 @@ def encode(record: StepRecord) -> bytes:
     """Encode ``record`` to bytes; raise :class:`RecordError` if it cannot be represented."""
     names = list(record.signals)
     try:
-        values = np.fromiter(record.signals.values(), dtype=_LE_F64, count=len(names))
-    except (TypeError, ValueError) as exc:
+        values = array("d", record.signals.values())
+    except (TypeError, ValueError, OverflowError) as exc:
         raise RecordError(f"record step {record.step}: a signal value is not a number ({exc})") from None
     payload = {
         "v": FORMAT_VERSION,
@@ -142,7 +143,7 @@ def encode(record: StepRecord) -> bytes:
         "coords": dict(record.coords),
         "batch": record.batch,
         "n": names,
-        "x": values.tobytes(),
+        "x": _little_endian(values).tobytes(),
     }
     data: bytes = msgpack.packb(payload, use_bin_type=True)
     if len(data) > MAX_RECORD_BYTES:
@@ -231,8 +232,17 @@ def _signals(names: object, packed: object) -> dict[str, float]:
     for name in names:
         if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
             raise RecordError(f"signal name {name!r} is invalid: use 1-{MAX_NAME_CHARS} printable characters")
-    values = np.frombuffer(packed, dtype=_LE_F64).tolist()
+    floats = array("d")
+    floats.frombytes(packed)
+    values = _little_endian(floats).tolist()
     signals = dict(zip(names, values, strict=True))
     if len(signals) != len(names):
         raise RecordError("record has duplicate signal names")
     return signals
+
+
+def _little_endian(values: array[float]) -> array[float]:
+    """``values`` in (or from) little-endian byte order, in place."""
+    if _SWAP:
+        values.byteswap()
+    return values

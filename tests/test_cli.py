@@ -62,7 +62,7 @@ def test_version_and_fast_help(tmp_path: Path) -> None:
     proc = _cli("--help", cwd=tmp_path)
     assert proc.returncode == 0 and "postmortem" in proc.stdout and "``" not in proc.stdout
     # help imports none of the heavy dependencies (what made it take seconds)
-    heavy = "('torch', 'celery', 'pyarrow', 'stability.detectors', 'rich')"
+    heavy = "('torch', 'celery', 'pyarrow', 'stability.detectors', 'rich', 'numpy')"
     code = ("import sys; from stability import cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
             f"print(sorted(m for m in {heavy} if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
