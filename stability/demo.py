@@ -96,6 +96,8 @@ def run_demo(
         STABILITY_RUN_DIR=str(run_dir),
         STABILITY_RUN_ID=run_dir.name,
         STABILITY_STATS_EVERY=os.environ.get("STABILITY_STATS_EVERY", "10"),
+        # the demo shows its own progress bar and alert lines; the terminal reporter would print each alert twice
+        STABILITY_QUIET=os.environ.get("STABILITY_QUIET", "1"),
     )
     os.environ.pop("STABILITY_REDIS_URL", None)
     fault_step = int(steps * 0.6)
