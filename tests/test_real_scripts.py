@@ -161,9 +161,8 @@ def test_nn_tutorial_clean_run_is_captured_and_raises_nothing(tmp_path: Path) ->
 
 
 _NN_DETECTOR_GAPS = {
-    # found, but not yet named right by the detectors (issue 8, items 2 and 3; other branches work on them)
+    # found, but not named right: with no lr signal (a hand update passes none) nothing shows the LR moved
     "lr": "detector: without an lr signal an LR x100 on the MLP is a loss_spike ranked bad_batch",
-    "batch": "detector: a bad batch whose gradient spikes harder than its loss is a grad_explosion (issue 8 item 2)",
 }
 
 
@@ -175,6 +174,7 @@ _NN_DETECTOR_GAPS = {
 def test_nn_tutorial_fault_is_found(tmp_path: Path, fault: str) -> None:
     run = _run(tmp_path, NN_TUTORIAL, fault)
     assert len(run.records) == NN_TUTORIAL.steps
-    assert run.serious() and min(e["onset"] for e in run.serious()) in range(NN_TUTORIAL.fault_step,
-                                                                              NN_TUTORIAL.fault_step + 4)
+    if fault != "batch":  # a bad batch that reverts at once is an INFO bad_batch, not an alert
+        assert run.serious() and min(e["onset"] for e in run.serious()) in range(NN_TUTORIAL.fault_step,
+                                                                                  NN_TUTORIAL.fault_step + 4)
     _assert_found(run, NN_TUTORIAL, fault)
