@@ -102,27 +102,16 @@ class MoEBlock(nn.Module):
         return x + out, logits.detach().masked_fill(~mask, float("-inf")).amax()
 
 
-class TinyMoE(nn.Module):
+class TinyMoE(TinyGPT):
     """GPT with mixture-of-experts MLPs; ``forward`` returns logits and each block's max attention logit."""
 
     def __init__(self, *, vocab: int, ctx: int, d: int = 32, layers: int = 2, heads: int = 2, experts: int = 4
                  ) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Embedding(ctx, d)
-        self.blocks = nn.ModuleList(MoEBlock(d, heads, experts) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
+        self.experts = experts  # read by _block while TinyGPT builds the blocks
+        super().__init__(vocab=vocab, ctx=ctx, d=d, layers=layers, heads=heads)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1]))  # type: ignore[no-any-return]
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        attn_max = []
-        for block in self.blocks:
-            x, m = block(x)
-            attn_max.append(m)
-        return self.head(self.ln_f(x)), attn_max
+    def _block(self, d: int, heads: int, qk_norm: bool) -> nn.Module:
+        return MoEBlock(d, heads, self.experts)
 
 
 class LSTMLM(nn.Module):

@@ -80,9 +80,13 @@ class TinyGPT(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(ctx, d)
-        self.blocks = nn.ModuleList(_Block(d, heads, qk_norm) for _ in range(layers))
+        self.blocks = nn.ModuleList(self._block(d, heads, qk_norm) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
+
+    def _block(self, d: int, heads: int, qk_norm: bool) -> nn.Module:
+        """One transformer block (subclasses swap the MLP, e.g. for experts)."""
+        return _Block(d, heads, qk_norm)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token plus position embeddings."""
