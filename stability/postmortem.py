@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from stability.console import display_remedy
 from stability.detectors.base import Finding
 from stability.detectors.causes import remedy
 from stability.detectors.engine import DiagnoserConfig, Incident, RunDiagnoser
@@ -339,7 +340,7 @@ def _event(incident: Incident) -> dict[str, Any]:
         "end": incident.end,
         "severity": head.severity.value,
         "causes": [{"cause": c.cause, "score": c.score, "evidence": c.evidence} for c in head.causes],
-        "remedy": head.causes[0].remedy if head.causes else remedy(top),
+        "remedy": display_remedy(head.causes[0].remedy if head.causes else remedy(top), incident.skip_batches),
         "rollback_step": head.rollback_step,
         "skip_batches": incident.skip_batches,
         "rank": incident.rank,

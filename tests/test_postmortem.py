@@ -218,3 +218,18 @@ def test_the_worker_report_sink_writes_findings_and_report_next_to_the_archive(t
     assert (base / "remote-run" / "report.html").exists()
     # nothing archived: nothing written, nothing raised
     ReportSink(lambda run_id: {}).close("unknown")
+
+
+def test_a_skip_remedy_without_batch_ids_says_none_were_recorded(tmp_path: Path) -> None:
+    """findings.json never tells a person to 'skip the listed batches' when the list is empty."""
+    path = _spiky_csv(tmp_path)
+    rows = path.read_text().splitlines()
+    header = rows[0].split(",")
+    if "batch" in header:  # drop the batch column: no batch ids recorded
+        i = header.index("batch")
+        rows = [",".join(c for j, c in enumerate(r.split(",")) if j != i) for r in rows]
+    path.write_text("\n".join(rows) + "\n")
+    data = json.loads(analyze(load_csv(path), "spiky").to_json())
+    [event] = data["events"]
+    assert event["skip_batches"] == [] and event["causes"][0]["cause"] == "bad_batch"
+    assert not event["remedy"].startswith("Skip the listed batches") and "no batch ids" in event["remedy"]

@@ -238,7 +238,7 @@ def render_misses(ev: Evaluation, detector: str = STABILITY) -> str:
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Command line entry point; returns 0, or 1 with ``--strict`` when a target fails."""
-    parser = argparse.ArgumentParser(prog="stability eval", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="stability eval", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--corpus", choices=("legacy", "families"), default="legacy",
                         help="legacy: the calibration corpus of issue #4 (default); families: issue #8's corpus of "
                              "other model families with a calibration and a frozen test split")
