@@ -486,17 +486,25 @@ def label(spec: RunSpec, records: Sequence[StepRecord]) -> list[Event]:
         onset = _first(loss, f0, last, lambda v: not math.isfinite(v) or v >= SPIKE_FACTOR * base)
         return [] if onset is None else [Event(kind="divergence", cause=cause, onset=onset, end=last,
                                                precursor_start=f0)]
-    if spec.fault == "fp16_overflow":
+    return label_tail("fp16" if spec.fault == "fp16_overflow" else spec.fault, records, loss, f0, f1, last,
+                      one_step=bool(spec.duration), faulty_rank=spec.faulty_rank)
+
+
+def label_tail(fault: str, records: Sequence[StepRecord], loss: dict[int, float], f0: int, f1: int, last: int, *,
+               one_step: bool, faulty_rank: int, note: str = "") -> list[Event]:
+    """Events of the faults both corpora label the same way: ``fp16`` (first skipped step in the injection),
+    ``nan_data`` (first non-finite loss; ``one_step``: the loop skipped it) and ``dp_rank`` (the injection + 30)."""
+    if fault == "fp16":
         onset = _first({r.step: r.get("skipped", 0.0) for r in records}, f0, f1, lambda v: v > 0)
         return [] if onset is None else [Event(kind="loss_scale_collapse", cause="fp16_loss_scale", onset=onset,
                                                end=f1, precursor_start=f0)]
-    if spec.fault == "nan_data":
+    if fault == "nan_data":
         onset = _first(loss, f0, last, lambda v: not math.isfinite(v))
         return [] if onset is None else [Event(kind="nan", cause="numerical_nan", onset=onset,
-                                               end=onset if spec.duration else last, precursor_start=onset)]
-    assert spec.fault == "dp_rank", spec.fault
+                                               end=onset if one_step else last, precursor_start=onset)]
+    assert fault == "dp_rank", fault
     return [Event(kind="cross_rank", cause="hardware_fault", onset=f0, end=min(last, f1 + 30), precursor_start=f0,
-                  rank=spec.faulty_rank)]
+                  rank=faulty_rank, note=note)]
 
 
 def _label_spike(spec: RunSpec, loss: dict[int, float], base: float, last: int) -> list[Event]:

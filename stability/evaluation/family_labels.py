@@ -34,6 +34,7 @@ from stability.evaluation.corpus import (
     _label_warmup,
     _loss_by_step,
     _recovery,
+    label_tail,
 )
 from stability.records import StepRecord
 
@@ -79,17 +80,9 @@ def label_family(spec: FamilySpec, records: Sequence[StepRecord]) -> list[Event]
         rise = sustained_rise(loss, f0, onset)
         return [Event(kind="divergence", cause=cause, onset=onset, end=last, precursor_start=f0, rise=rise,
                       note=f"x{spec.magnitude:.4g} per step from {f0}; sustained loss rise at {rise}")]
-    if spec.fault == "fp16_collapse":
-        onset = _first({r.step: r.get("skipped", 0.0) for r in records}, f0, f1, lambda v: v > 0)
-        return [] if onset is None else [Event(kind="loss_scale_collapse", cause="fp16_loss_scale", onset=onset,
-                                               end=f1, precursor_start=f0)]
-    if spec.fault == "nan_data":
-        onset = _first(loss, f0, last, lambda v: not math.isfinite(v))
-        return [] if onset is None else [Event(kind="nan", cause="numerical_nan", onset=onset,
-                                               end=onset if spec.duration else last, precursor_start=onset)]
-    assert spec.fault == "dp_rank", spec.fault
-    return [Event(kind="cross_rank", cause="hardware_fault", onset=f0, end=min(last, f1 + 30), precursor_start=f0,
-                  rank=spec.faulty_rank, note=f"{spec.ranks} replicas, x{spec.magnitude:.3g}")]
+    return label_tail("fp16" if spec.fault == "fp16_collapse" else spec.fault, records, loss, f0, f1, last,
+                      one_step=bool(spec.duration), faulty_rank=spec.faulty_rank,
+                      note=f"{spec.ranks} replicas, x{spec.magnitude:.3g}" if spec.fault == "dp_rank" else "")
 
 
 def _attention_only(spec: FamilySpec, records: Sequence[StepRecord], last: int) -> list[Event]:
