@@ -246,7 +246,7 @@ def test_families_splits_are_disjoint_varied_unaligned_and_the_test_split_is_fro
     from stability.evaluation.families import FAMILIES_VERSION, calib_specs, manifest, test_specs
 
     calib, test = calib_specs(), test_specs()
-    assert len(test) >= len(calib) > 0
+    assert len(test) >= 100 and len(calib) >= 100
     assert not {s.name for s in calib} & {s.name for s in test}
     assert not {s.key() for s in calib} & {s.key() for s in test}
     assert {s.seed for s in calib}.isdisjoint({s.seed for s in test})
@@ -263,6 +263,7 @@ def test_families_splits_are_disjoint_varied_unaligned_and_the_test_split_is_fro
         assert max(mags) / min(mags) > 10, fault
     dp = [s for s in test if s.fault == "dp_rank"]
     assert {s.ranks for s in dp} == {2, 4, 8}
+    assert {s.backend for s in test if s.ranks > 1} == {"gloo"}  # real DDP processes in the test split
     assert calib_specs() == calib and test_specs() == test  # the seeds decide every draw
     frozen = json.loads((Path(__file__).resolve().parents[1] / "docs" / "test-corpus-manifest.json").read_text())
     assert frozen == manifest() and frozen["families_version"] == FAMILIES_VERSION

@@ -63,8 +63,13 @@ logger = logging.getLogger(__name__)
 
 FAMILIES_VERSION = 1
 """Bump when the generator changes what a spec produces (invalidates the cache and the test manifest)."""
-CALIB_SEEDS = (100, 101, 102)
-TEST_SEEDS = (200, 201, 202, 203, 204)
+CALIB_SEEDS = (100, 101, 102, 200, 201, 202, 203, 204)
+"""Seeds 200-204 were the first test split (scored once on 2026-12-03, its misses read): they joined calibration."""
+TEST_SEEDS = (300, 301, 302, 303, 304)
+"""The second test split, drawn before any detector change that used the first one's misses."""
+TEST_BACKEND = "gloo"
+"""Replicas of the test split are real gloo ``DistributedDataParallel`` processes; calibration simulates them in one
+process (the same arithmetic), so the test also exercises the capture of a real DDP job."""
 CI_SEED = 7
 
 FAULTS = ("clean", "bad_batch", "lr_spike", "lr_drift", "attn_growth", "fp16_collapse", "nan_data", "vanishing",
@@ -103,6 +108,9 @@ class FamilySpec:
     stats_every: int = 10
     growth_interval: int = 100
     """GradScaler growth interval (fp16): a healthy back-off about every this many steps."""
+    backend: str = ""
+    """Replicated runs: ``gloo`` = real DDP processes (:mod:`~stability.evaluation.family_ddp`); empty = simulated in
+    one process (per-replica gradients averaged by hand)."""
     variant: str = ""
     """``bad_batch``: ``constant`` = every row one token (padding-like: the gradient spikes much harder than the
     loss); empty = random-token rows / shuffled labels / noisy targets."""
@@ -114,12 +122,15 @@ class FamilySpec:
             raise ValueError(f"unknown family {self.family!r}")
         if self.optimizer not in OPTIMIZERS or self.schedule not in SCHEDULES or self.precision not in PRECISIONS:
             raise ValueError(f"bad optimizer/schedule/precision in {self.name}")
+        if self.backend not in ("", "gloo"):
+            raise ValueError(f"unknown backend {self.backend!r} in {self.name}; choose '' (simulated) or 'gloo'")
 
     def key(self) -> str:
         """Cache key: a hash of every field and :data:`FAMILIES_VERSION`."""
         fields = asdict(self)
-        if not self.variant:  # added after the first runs were cached: absent from their keys
-            del fields["variant"]
+        for late in ("variant", "backend"):  # added after the first runs were cached: absent from their keys
+            if not fields[late]:
+                del fields[late]
         blob = json.dumps({"families_v": FAMILIES_VERSION, **fields}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:20]
 
@@ -192,8 +203,9 @@ def _prime_in(rng: random.Random, lo: int, hi: int) -> int:
     return rng.choice(primes)
 
 
-def spec_for(t: Template, seed: int, *, steps: int | None = None) -> FamilySpec:
-    """The spec of template ``t`` for ``seed`` (every draw comes from ``Random(f"{t.name}:{seed}")``)."""
+def spec_for(t: Template, seed: int, *, steps: int | None = None, backend: str = "") -> FamilySpec:
+    """The spec of template ``t`` for ``seed`` (every draw comes from ``Random(f"{t.name}:{seed}")``); ``backend``
+    applies to replicated templates only."""
     rng = random.Random(f"{t.name}:{seed}")
     fam = t.families[seed % len(t.families)]
     opt = t.optimizers[seed % len(t.optimizers)]
@@ -208,7 +220,8 @@ def spec_for(t: Template, seed: int, *, steps: int | None = None) -> FamilySpec:
     kw: dict[str, Any] = {"name": f"{t.name}-{fam}-s{seed}", "family": fam, "fault": t.fault, "seed": seed,
                           "steps": n, "optimizer": opt, "schedule": sched, "precision": prec, "ranks": t.ranks,
                           "lr": lr, "warmup": rng.choice((20, 30, 50)), "stats_every": rng.choice((10, 10, 16, 25)),
-                          "growth_interval": rng.choice((100, 120, 150))}
+                          "growth_interval": rng.choice((100, 120, 150)),
+                          "backend": backend if t.ranks > 1 else ""}
     f = t.fault
     if f == "bad_batch":
         late = t.name.endswith("late")
@@ -260,7 +273,7 @@ def calib_specs() -> list[FamilySpec]:
 
 def test_specs() -> list[FamilySpec]:
     """The test split (frozen: ``docs/test-corpus-manifest.json``): every template with :data:`TEST_SEEDS`."""
-    return [spec_for(t, s) for s in TEST_SEEDS for t in TEMPLATES]
+    return [spec_for(t, s, backend=TEST_BACKEND) for s in TEST_SEEDS for t in TEMPLATES]
 
 
 _CI = {"clean-moe-fp16": 240, "clean-lstm": 200, "bad-batch-late": 200, "lr-spike": 160, "lr-drift": 360,
@@ -461,7 +474,12 @@ def generate_family_run(spec: FamilySpec) -> GeneratedRun:
     """Train ``spec`` with the real capture attached and label it."""
     start = time.perf_counter()
     torch.manual_seed(spec.seed)
-    records = _train_dp(spec) if spec.ranks > 1 else _train_single(spec)
+    if spec.ranks > 1 and spec.backend == "gloo":
+        from stability.evaluation.family_ddp import train_gloo
+
+        records = train_gloo(spec)
+    else:
+        records = _train_dp(spec) if spec.ranks > 1 else _train_single(spec)
     events = label_family(spec, records)
     return GeneratedRun(name=spec.name, records=records, events=events, clean=spec.fault == "clean", spec=spec,
                         source="synthetic", seconds=time.perf_counter() - start)

@@ -1,0 +1,92 @@
+"""Replicated runs of the families corpus as a real data-parallel job: ``spec.ranks`` CPU processes, gloo,
+``DistributedDataParallel``, one :class:`~stability.hooks.capture.Capture` per process attached as a user would
+(``attach(model, optimizer)``), records sent back encoded.
+
+The arithmetic matches the simulated path of :mod:`~stability.evaluation.families` (each replica draws its own
+batches, DDP's all-reduce averages the gradients, the ``dp_rank`` fault multiplies every third gradient tensor of
+the faulty rank *after* the all-reduce), but the gradients really travel through gloo and DDP's reducer, and the
+capture sees what it sees in a real job: DDP's bucketed backward, the clip, the optimizer hooks.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from stability.embedded import free_port
+from stability.records import StepRecord, decode, encode
+from stability.testing import ListSink
+
+__all__ = ["train_gloo"]
+
+REPORT_TIMEOUT_S = 1200.0
+"""How long the parent waits for every rank's records (8 processes on 2 busy cores are slow, not stuck)."""
+
+
+def _worker(rank: int, spec: Any, port: int, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from stability.evaluation import families as fam
+    from stability.hooks.capture import Capture
+
+    dist.init_process_group("gloo", rank=rank, world_size=spec.ranks)
+    try:
+        torch.manual_seed(spec.seed)
+        task = fam._task(spec, stream=rank)
+        inner = task.model
+        ddp = torch.nn.parallel.DistributedDataParallel(inner)
+        if hasattr(inner, "embed"):  # LM families embed outside forward (as the legacy DDP run does)
+            object.__setattr__(ddp, "embed", inner.embed)
+        task.model = ddp
+        opt = fam._optimizer(spec, task)
+        sink = ListSink()
+        capture = Capture(fam._config(spec), sink, rank=rank,
+                          coords={"dp": rank, "world_size": spec.ranks}).attach(inner, opt)
+        params = list(inner.parameters())
+        try:
+            for step in range(spec.steps):
+                fam._set_lr(spec, step, opt)
+                capture.set_batch(f"{spec.name}:{step}:r{rank}")
+                loss = task.loss(task.sample(), capture.observe, bf16=spec.precision == "bf16")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()  # type: ignore[no-untyped-call]
+                if spec.fault == "dp_rank" and rank == spec.faulty_rank and fam._in_fault(spec, step):
+                    with torch.no_grad():  # silent corruption after the all-reduce, on this rank only
+                        for i, p in enumerate(params):
+                            if i % 3 == 0 and p.grad is not None:
+                                p.grad.mul_(spec.magnitude)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+        finally:
+            capture.close()
+        out.put((rank, [encode(r) for r in sink.records]))
+    finally:
+        dist.destroy_process_group()
+
+
+def train_gloo(spec: Any) -> list[StepRecord]:
+    """Train ``spec`` with ``spec.ranks`` gloo processes; return every rank's records (by step, then rank)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, spec, port, out), daemon=True) for r in range(spec.ranks)]
+    for p in procs:
+        p.start()
+    records: list[StepRecord] = []
+    try:
+        for _ in procs:
+            _, blobs = out.get(timeout=REPORT_TIMEOUT_S)
+            records += [decode(b) for b in blobs]
+    except queue.Empty:
+        raise RuntimeError(f"gloo run {spec.name}: a rank did not report within {REPORT_TIMEOUT_S:.0f} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return sorted(records, key=lambda r: (r.step, r.rank))
