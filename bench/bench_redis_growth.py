@@ -132,8 +132,11 @@ def main() -> None:
     parser.add_argument("--detectors", choices=("stub", "real"), default="stub",
                         help="real RunDiagnoser, or a stand-in with a state of the real suite's size (default)")
     parser.add_argument("--chunk", type=int, default=1000, help="steps per rank emitted between drains")
+    parser.add_argument("--every-s", type=float, default=SnapshotPolicy().every_s, help="snapshot interval")
+    parser.add_argument("--every-records", type=int, default=SnapshotPolicy().every_records,
+                        help="snapshot after this many entries")
     args = parser.parse_args()
-    policy = SnapshotPolicy()
+    policy = SnapshotPolicy(every_s=args.every_s, every_records=args.every_records)
     checkpoints = [c for c in (1_000, 10_000, 100_000, 1_000_000) if c <= args.steps]
     if args.steps not in checkpoints:
         checkpoints.append(args.steps)
