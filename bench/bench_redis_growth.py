@@ -8,11 +8,11 @@ RedisServer`: append-only file on, ``appendfsync everysec``, automatic AOF rewri
 per module, ``grad_norm/<m>``, ``param_norm/<m>``, ``update_ratio/<m>``, ``adam_v_ratio/<m>`` plus a few
 ``act_rms/<m>``: 4 x modules + 10 signals, random-walk values) in chunks; after each chunk a real
 :class:`~stability.worker.drain.Drainer` with the default :class:`~stability.worker.drain.SnapshotPolicy`, the
-detectors (``--detectors real``: ``RunDiagnoser``; default: a stand-in with a state of the real suite's size,
-since the per-module detectors are too slow for 100k steps today) and an :class:`~stability.worker.sinks.ArchiveSink` into a temporary run directory drains
-the run until caught up, as a worker's sweep would. At the checkpoints (1k, 10k, 100k steps, up to ``--steps``)
-the run pauses for one snapshot interval and is drained once more (what happens when a live run idles: the
-time-based commit acks and trims), then the figures are printed:
+detectors (``--detectors real``: ``RunDiagnoser``; default: a stand-in with a state of the real suite's size, since
+the per-module detectors are too slow for 100k steps today) and an :class:`~stability.worker.sinks.ArchiveSink` into
+a temporary run directory drains the run until caught up, as a worker's sweep would. At the checkpoints (1k, 10k,
+100k steps, up to ``--steps``) the run pauses for one snapshot interval and is drained once more (what happens when
+a live run idles: the time-based commit acks and trims), then the figures are printed:
 
 * ``used_memory`` (``INFO memory``) and the AOF bytes on disk, each with its ratio to the 1,000-step figure;
 * the peaks of both over all chunks so far (the sawtooth between commits / AOF rewrites), also as ratios;
@@ -195,8 +195,9 @@ def main() -> None:
         for emitter in emitters:
             emitter.close()
         state = client.strlen(keys.state(RUN))
-        print(f"detector snapshot: {state:,} bytes; archive: {sum(f.stat().st_size for f in (run_dir / 'archive').iterdir()):,} "
-              f"bytes in {len(list((run_dir / 'archive').iterdir()))} files")
+        files = list((run_dir / "archive").iterdir())
+        print(f"detector snapshot: {state:,} bytes; archive: {sum(f.stat().st_size for f in files):,} bytes in "
+              f"{len(files)} files")
 
 
 if __name__ == "__main__":

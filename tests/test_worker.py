@@ -17,10 +17,10 @@ import pytest
 
 from stability import keys
 from stability.detectors.base import Finding, Severity
-from stability.records import MAX_RECORD_BYTES, StepRecord, encode
-from stability.worker.drain import CONSUMER, Drainer, SnapshotPolicy
 from stability.postmortem import load_archive
+from stability.records import MAX_RECORD_BYTES, StepRecord, encode
 from stability.worker.archive import read_tail
+from stability.worker.drain import CONSUMER, Drainer, SnapshotPolicy
 from stability.worker.sinks import ArchiveSink, ConsoleSink, Entry, RedisFindingsSink, compact, redis_meta
 
 RUN = "run-test"
@@ -227,7 +227,8 @@ def test_real_diagnoser_crash_gives_the_same_findings_as_a_clean_run(redis_clien
     fill("crashy")
     for fail_at in (1, 3):  # die after the findings of the 1st, then of the 3rd batch went out
         with pytest.raises(RuntimeError):
-            Drainer(redis_client, "crashy", sinks=[RedisFindingsSink(redis_client), DieAt(fail_at)], batch=10, snapshot=EVERY).run()
+            Drainer(redis_client, "crashy", sinks=[RedisFindingsSink(redis_client), DieAt(fail_at)], batch=10,
+                    snapshot=EVERY).run()
     Drainer(redis_client, "crashy", sinks=[RedisFindingsSink(redis_client)], batch=10, snapshot=EVERY).run()
 
     clean, crashy = findings_in_stream(redis_client, "clean"), findings_in_stream(redis_client, "crashy")
@@ -293,7 +294,8 @@ def test_end_of_run_finishes_once_and_marks_drained(redis_client: Any) -> None:
         xadd(redis_client, record(step, 1))
     redis_client.hset(keys.meta(RUN), "ended:0", "1")
     sink = ListSink()
-    assert Drainer(redis_client, RUN, sinks=[sink], diagnoser=Recorder, snapshot=EVERY).run().status == "idle"  # rank 1 still on
+    status = Drainer(redis_client, RUN, sinks=[sink], diagnoser=Recorder, snapshot=EVERY).run().status
+    assert status == "idle"  # rank 1 still on
     assert not redis_client.hexists(keys.meta(RUN), "drained") and sink.closed == []
 
     redis_client.hset(keys.meta(RUN), "ended:1", "1")

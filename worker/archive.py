@@ -103,7 +103,7 @@ def _frame(table: Any) -> bytes:
     options = pa.ipc.IpcWriteOptions(compression="zstd")
     with pa.ipc.new_stream(sink, table.schema, options=options) as writer:
         writer.write_table(table)
-    payload = sink.getvalue().to_pybytes()
+    payload: bytes = sink.getvalue().to_pybytes()
     return _FRAME.pack(MAGIC, len(payload), int(time.time() * 1000), zlib.crc32(payload)) + payload
 
 
@@ -281,8 +281,8 @@ class ArchiveWriter:
         frame = _frame(table)
         state = self._current(rank)
         now_ms = int(time.time() * 1000)
-        if state.size and (state.size + len(frame) > self.config.roll_bytes
-                           or (state.first_ms is not None and now_ms - state.first_ms >= self.config.roll_seconds * 1000)):
+        too_old = state.first_ms is not None and now_ms - state.first_ms >= self.config.roll_seconds * 1000
+        if state.size and (state.size + len(frame) > self.config.roll_bytes or too_old):
             self._roll(rank, state.seq)
             state = _Open(seq=state.seq + 1, size=0, first_ms=None)
         path = _tail_path(self.directory, rank, state.seq)
