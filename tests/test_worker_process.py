@@ -22,6 +22,7 @@ import pytest
 from stability import keys
 from stability.embedded import RedisServer
 from stability.records import StepRecord, encode
+from stability.worker.archive import iter_archive_files, read_tail
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +92,13 @@ def add(client: Any, steps: range) -> None:
 
 
 def archived(run_dir: Path) -> list[tuple[int, int]]:
-    parts = [pq.read_table(p, columns=["rank", "step"]) for p in sorted((run_dir / "archive").glob("*.parquet"))]
+    """Every archived row, duplicates included: closed Parquet segments and the live tails."""
+    parts = []
+    for path in iter_archive_files(run_dir / "archive"):
+        if path.suffix == ".parquet":
+            parts.append(pq.read_table(path, columns=["rank", "step"]))
+        else:
+            parts += [t.select(["rank", "step"]) for t in read_tail(path).tables]
     if not parts:
         return []
     table = pa.concat_tables(parts)

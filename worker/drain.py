@@ -178,7 +178,10 @@ class _Context:
 
 
 _CONTEXTS: dict[str, _Context] = {}
+"""Runs this process drained last, by run id, least recently used first (a run that never finishes is evicted)."""
 _CONTEXTS_LOCK = threading.Lock()
+MAX_KEPT_CONTEXTS = 256
+"""Most runs whose drain context a process keeps in memory; an evicted run recovers from its snapshot."""
 
 
 class _LeaseLost(Exception):
@@ -244,6 +247,8 @@ class Drainer:
             if result.status != "drained":
                 with _CONTEXTS_LOCK:
                     _CONTEXTS[self.run_id] = ctx  # only a clean return keeps the in-memory continuation
+                    while len(_CONTEXTS) > MAX_KEPT_CONTEXTS:
+                        del _CONTEXTS[next(iter(_CONTEXTS))]
             return result
         except _LeaseLost:
             logger.warning("%s: lease lost; uncommitted entries stay pending for the next drain", self.run_id)

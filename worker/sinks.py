@@ -12,6 +12,10 @@ detector state, producing the same findings. Every sink is therefore idempotent:
 * :class:`~stability.worker.wandb_sink.WandbSink` keeps its own ``(rank, kind, step)`` set;
 * :class:`ReportSink` acts only when the run is closed: it rewrites ``findings.json`` and ``report.html`` from the
   whole archive (a repeated close writes the same files again).
+
+A sink may also have ``sync(run_id) -> bool``: the drainer calls it before it acknowledges (and may trim) the
+entries of a commit; it makes what was emitted durable and returns True if the run's records are archived by it
+(:class:`ArchiveSink`), which is what allows the drainer to trim them from Redis.
 """
 
 from __future__ import annotations
@@ -290,7 +294,10 @@ class ReportSink:
             return
         run_dir = meta.get("run_dir")
         out = Path(run_dir) if run_dir and directory == Path(run_dir) / "archive" else directory
-        records = postmortem.load_archive(directory)
+        damaged: list[str] = []
+        records = postmortem.load_archive(directory, damaged=damaged)
+        if damaged:
+            meta["damaged_files"] = json.dumps(damaged)
         result = postmortem.analyze(records, run_id, meta=meta)
         json_path, html_path = out / "findings.json", out / "report.html"
         postmortem.write_outputs(result, records, json_out=json_path, html_out=html_path)
