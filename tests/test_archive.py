@@ -190,3 +190,22 @@ def test_a_damaged_parquet_file_does_not_abort_the_postmortem(run_dir: Path, cap
     damaged: list[str] = []
     postmortem.load_archive(run_dir / "archive", damaged=damaged)
     assert damaged == [str(victim)]
+
+
+def test_older_layouts_are_read_and_folded_into_segments(run_dir: Path) -> None:
+    from stability.worker.sinks import archive_table
+
+    archive = run_dir / "archive"
+    archive.mkdir()
+    for steps in (range(0, 6), range(4, 9)):  # one part per drained batch; a re-delivered batch overlapped
+        batch = entries(steps)
+        pq.write_table(archive_table(RUN, batch), archive / f"part-0-{batch[0].entry_id}.parquet")
+    pq.write_table(archive_table(RUN, entries(range(0, 3), 1)), archive / "records-1.parquet")
+    assert steps_read(run_dir) == [(0, s) for s in range(9)] + [(1, s) for s in range(3)]
+    sink_for(run_dir).emit(RUN, [], entries(range(9, 12)))
+    compact(archive)
+    names = sorted(p.name for p in archive.iterdir())
+    assert names == ["records-0-000000.parquet", "records-0-000001.parquet", "records-1-000000.parquet"]
+    rows = [s for n in names[:2] for s in pq.read_table(archive / n).column("step").to_pylist()]
+    assert sorted(rows) == list(range(12)) and len(rows) == 12  # the overlap of the two parts kept once
+    assert steps_read(run_dir) == [(0, s) for s in range(12)] + [(1, s) for s in range(3)]

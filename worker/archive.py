@@ -42,12 +42,17 @@ from typing import Any
 from stability.errors import ConfigError
 
 __all__ = [
+    "SEGMENT_RE",
+    "TAIL_RE",
     "ArchiveConfig",
     "ArchiveWriter",
     "TailRead",
     "finalize_directory",
+    "iter_archive_files",
     "read_tail",
+    "roll_tail",
     "table_rows_by_entry",
+    "write_parquet_atomically",
 ]
 
 logger = logging.getLogger(__name__)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -306,6 +307,9 @@ class ReportSink:
             self._client.hset(keys.meta(run_id), mapping={"report": str(html_path), "findings": str(json_path)})
 
 
+_LEGACY_RE = re.compile(r"^(?:part-(\d+)-.+|records-(\d+))\.parquet$")
+
+
 def compact(directory: Path) -> None:
     """Close every open segment of ``directory`` into its Parquet file, and fold parts of the older one-file-per-batch
     layout (``part-<rank>-*.parquet``, ``records-<rank>.parquet``) into a new segment per rank.
@@ -317,12 +321,9 @@ def compact(directory: Path) -> None:
 
     archive.finalize_directory(directory)
     legacy: dict[int, list[Path]] = {}
-    for path in directory.glob("part-*.parquet"):
-        legacy.setdefault(int(path.name.split("-")[1]), []).append(path)
-    for path in directory.glob("records-*.parquet"):
-        stem = path.stem.split("-")
-        if len(stem) == 2 and stem[1].isdigit():
-            legacy.setdefault(int(stem[1]), []).append(path)
+    for path in directory.glob("*.parquet"):
+        if m := _LEGACY_RE.match(path.name):
+            legacy.setdefault(int(m[1] or m[2]), []).append(path)
     for rank, parts in sorted(legacy.items()):
         table = archive.table_rows_by_entry([pq.read_table(p) for p in parts])
         seqs = [int(m[2]) for p in directory.iterdir() if (m := archive.SEGMENT_RE.match(p.name)) and int(m[1]) == rank]
