@@ -470,9 +470,11 @@ class Drainer:
 
         def ops(pipe: Any) -> None:
             pipe.hset(keys.meta(self.run_id), "drained", repr(time.time()))
-            pipe.srem(keys.RUNS, self.run_id)
 
         self._commit(token, ctx, result, ops)
+        # not in the transaction: keys.RUNS is global (another hash slot on a Redis Cluster); a crash here leaves a
+        # drained run in RUNS, which the next drain removes (see _drain)
+        self.client.srem(keys.RUNS, self.run_id)
         logger.info("%s: drained (%d findings at finish)", self.run_id, len(findings))
         return findings
 
