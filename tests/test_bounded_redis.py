@@ -309,3 +309,16 @@ def test_embedded_config_rewrites_the_append_only_file(tmp_path: Path) -> None:
         assert client.get("state") == last
     with RedisServer(tmp_path / "redis", port=free_port()) as server:  # the rewritten file loads
         assert redis.Redis.from_url(server.url).get("state") == last
+
+
+def test_worker_settings_carry_the_snapshot_policy() -> None:
+    from stability.errors import ConfigError
+    from stability.worker.app import WorkerSettings
+
+    assert (WorkerSettings.from_env({}).snapshot_s, WorkerSettings.from_env({}).snapshot_n) == (5.0, 5000)
+    settings = WorkerSettings.from_env({"STABILITY_SNAPSHOT_S": "0.5", "STABILITY_SNAPSHOT_N": "200"})
+    assert (settings.snapshot_s, settings.snapshot_n) == (0.5, 200)
+    with pytest.raises(ConfigError, match="STABILITY_SNAPSHOT_N"):
+        WorkerSettings.from_env({"STABILITY_SNAPSHOT_N": "0"})
+    with pytest.raises(ConfigError, match="every_records"):
+        SnapshotPolicy(every_records=0)

@@ -58,6 +58,7 @@ def start_worker(redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable
         STABILITY_LEASE_MS="1500",
         STABILITY_BATCH="25",
         STABILITY_DRAIN_S="2",
+        STABILITY_SNAPSHOT_S="10",  # processed entries stay pending up to 10 s: the kill lands before their ack
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS="1",
     )
