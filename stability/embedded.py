@@ -101,6 +101,12 @@ class RedisServer:
             "--bind", "127.0.0.1",
             "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", "everysec",
+            # rewrite the append-only file (as an RDB preamble + the tail) whenever it doubled since the last
+            # rewrite and is over 16 MB, so it stays bounded by ~2x the live data (trimmed streams, one detector
+            # snapshot per run) instead of growing with every command ever applied
+            "--auto-aof-rewrite-percentage", "100",
+            "--auto-aof-rewrite-min-size", "16mb",
+            "--aof-use-rdb-preamble", "yes",
             "--save", "",
             "--maxmemory-policy", "noeviction",
             "--daemonize", "no",

@@ -11,7 +11,9 @@ Sources:
   signal = the log interval, read as the smallest step gap of its rank. The default (``None``, CLI ``auto``)
   assumes it for files with Megatron's log-line fields (``consumed_samples`` and ``skipped_iters`` columns) and
   nowhere else; a ``loss_steps`` column always wins. The detectors read it (``detectors/spike.py``).
-* a run directory (:func:`load_run_dir`): the worker's Parquet archive ``archive/*.parquet`` plus any spool files
+* a run directory (:func:`load_run_dir`): the worker's archive ``archive/`` (Parquet segments and, for a live or
+  crashed run, the crash-readable tails; a damaged file is skipped, named in a warning and in the result's
+  ``meta["damaged_files"]``) plus any spool files
   ``spool/spool-rank*.bin`` the training process could not send, and the run metadata ``run.json`` the training
   side wrote (host, versions, config) when present.
 
@@ -193,16 +195,20 @@ def load_csv(path: str | Path, *, step_column: str = "step", rename: Mapping[str
     return groups.get("", [])
 
 
-def load_run_dir(path: str | Path) -> list[StepRecord]:
-    """Read a run directory: ``archive/*.parquet`` and ``spool/spool-rank*.bin``, de-duplicated by (rank, step).
+def load_run_dir(path: str | Path, *, damaged: list[str] | None = None) -> list[StepRecord]:
+    """Read a run directory: the archive (``archive/``: Parquet segments and live tails, see
+    :mod:`stability.worker.archive`) and ``spool/spool-rank*.bin``, de-duplicated by (rank, step).
+
+    A damaged archive file (truncated, not Parquet) does not stop the read: the rest is read, a warning names the
+    file and its path is appended to ``damaged`` when given.
 
     Raises:
-        SourceError: not a directory, unreadable archive, or no records at all.
+        SourceError: not a directory, or no records at all.
     """
     root = Path(path)
     if not root.is_dir():
         raise SourceError(f"{root}: not a run directory")
-    records = _archive_records(root / "archive")
+    records = _archive_records(root / "archive", damaged)
     for file in sorted((root / "spool").glob("spool-rank*.bin")):
         for record in _read_spool(file):
             records.setdefault((record.rank, record.step), record)
@@ -211,24 +217,57 @@ def load_run_dir(path: str | Path) -> list[StepRecord]:
     return sorted(records.values(), key=lambda r: (r.rank, r.step))
 
 
-def load_archive(directory: str | Path) -> list[StepRecord]:
-    """Read the Parquet parts of one archive directory (``<run dir>/archive`` or ``$STABILITY_ARCHIVE_DIR/<run>``).
+def load_archive(directory: str | Path, *, damaged: list[str] | None = None) -> list[StepRecord]:
+    """Read one archive directory (``<run dir>/archive`` or ``$STABILITY_ARCHIVE_DIR/<run>``): closed Parquet
+    segments, live tails of a running or crashed run, and files of older layouts.
+
+    Damaged files are skipped with a warning and listed in ``damaged`` (see :func:`load_run_dir`).
 
     Raises:
-        SourceError: unreadable archive, or no records.
+        SourceError: no records.
     """
-    records = _archive_records(Path(directory))
+    records = _archive_records(Path(directory), damaged)
     if not records:
-        raise SourceError(f"{directory}: no records (looked for *.parquet)")
+        raise SourceError(f"{directory}: no records (looked for *.parquet and tail-*.arrows)")
     return sorted(records.values(), key=lambda r: (r.rank, r.step))
 
 
-def _archive_records(directory: Path) -> dict[tuple[int, int], StepRecord]:
+def _archive_records(directory: Path, damaged: list[str] | None = None) -> dict[tuple[int, int], StepRecord]:
+    """Records of an archive directory by (rank, step), the first file in name order winning (closed segments
+    ``records-*`` sort before live tails ``tail-*``)."""
+    from stability.worker.archive import iter_archive_files
+
     records: dict[tuple[int, int], StepRecord] = {}
-    for file in sorted(directory.glob("*.parquet")):
-        for record in _read_parquet(file):
+    for file in iter_archive_files(directory):
+        try:
+            rows = list(_read_archive_file(file))
+        except SourceError as exc:
+            logger.warning("damaged archive file skipped: %s", exc)
+            if damaged is not None:
+                damaged.append(str(file))
+            continue
+        for record in rows:
             records.setdefault((record.rank, record.step), record)
     return records
+
+
+def _read_archive_file(file: Path) -> Iterable[StepRecord]:
+    """Rows of one archive file; a live tail that was rolled meanwhile is read from its Parquet segment."""
+    if file.suffix == ".parquet":
+        return _read_parquet(file)
+    from stability.worker.archive import read_tail
+
+    try:
+        read = read_tail(file)
+    except FileNotFoundError:
+        segment = file.with_name(file.name.replace("tail-", "records-", 1)).with_suffix(".parquet")
+        return _read_parquet(segment) if segment.exists() else []
+    except OSError as exc:
+        raise SourceError(f"{file}: cannot read the archive tail ({exc})") from None
+    if read.damaged:
+        logger.warning("%s: live archive tail ends in a torn frame at offset %d; read the %d frames before it",
+                       file, read.valid_bytes, len(read.tables))
+    return itertools.chain.from_iterable(_table_records(t, file) for t in read.tables)
 
 
 def load_run_meta(run_dir: str | Path) -> dict[str, str]:
@@ -249,11 +288,16 @@ def _read_parquet(file: Path) -> Iterable[StepRecord]:
         table = pq.read_table(file)
     except Exception as exc:  # pyarrow raises several unrelated types
         raise SourceError(f"{file}: cannot read the Parquet archive ({exc})") from None
+    return _table_records(table, file)
+
+
+def _table_records(table: Any, file: Path) -> Iterable[StepRecord]:
     if "step" not in table.column_names:
         raise SourceError(f"{file}: no 'step' column in the Parquet archive")
     columns = table.to_pydict()
     signal_names = [n for n in table.column_names if n not in _ARCHIVE_META]
     fallback = _run_id_from(file.parent.parent)
+    out = []
     for i, step in enumerate(columns["step"]):
         if step is None:
             continue
@@ -263,9 +307,10 @@ def _read_parquet(file: Path) -> Iterable[StepRecord]:
             return default if value is None else value
 
         signals = {n: float(columns[n][i]) for n in signal_names if columns[n][i] is not None}
-        yield StepRecord(run_id=str(meta("run_id", fallback)), step=int(step), rank=int(meta("rank", 0)),
-                         wall_time=float(meta("wall_time", 0.0)), host=str(meta("host", "")),
-                         batch=meta("batch", None), signals=signals)
+        out.append(StepRecord(run_id=str(meta("run_id", fallback)), step=int(step), rank=int(meta("rank", 0)),
+                              wall_time=float(meta("wall_time", 0.0)), host=str(meta("host", "")),
+                              batch=meta("batch", None), signals=signals))
+    return out
 
 
 def _read_spool(file: Path) -> list[StepRecord]:
@@ -413,8 +458,9 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
         SourceError: the source cannot be read or holds no records.
     """
     source = Path(source)
+    damaged: list[str] = []
     if source.is_dir():
-        records = load_run_dir(source)
+        records = load_run_dir(source, damaged=damaged)
     elif source.exists():
         records = load_csv(source, run_id=run_id, loss_averaged=loss_averaged)
     else:
@@ -422,6 +468,8 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
     if not records:
         raise SourceError(f"{source}: no records")
     meta = load_run_meta(source) if source.is_dir() else {"source": str(source)}
+    if damaged:
+        meta["damaged_files"] = json.dumps(damaged)
     result = analyze(records, run_id or records[0].run_id, meta=meta)
     write_outputs(result, records, json_out=json_out, html_out=html_out)
     return result

@@ -17,11 +17,15 @@ import pytest
 
 from stability import keys
 from stability.detectors.base import Finding, Severity
+from stability.postmortem import load_archive
 from stability.records import MAX_RECORD_BYTES, StepRecord, encode
-from stability.worker.drain import CONSUMER, Drainer
-from stability.worker.sinks import ArchiveSink, ConsoleSink, Entry, RedisFindingsSink, redis_meta
+from stability.worker.archive import read_tail
+from stability.worker.drain import CONSUMER, Drainer, SnapshotPolicy
+from stability.worker.sinks import ArchiveSink, ConsoleSink, Entry, RedisFindingsSink, compact, redis_meta
 
 RUN = "run-test"
+EVERY = SnapshotPolicy(every_s=0)
+"""Commit after every batch (the state-per-batch behaviour these tests were written for)."""
 
 
 # -- helpers --------------------------------------------------------------------------------------------------
@@ -129,7 +133,7 @@ def test_two_ranks_in_order_state_saved_and_acked(redis_client: Any) -> None:
         for rank in (0, 1):
             xadd(redis_client, record(step, rank, loss=9.0 if step == 17 and rank == 1 else 1.0))
     sink = ListSink()
-    result = Drainer(redis_client, RUN, sinks=[sink], batch=7, diagnoser=Recorder).run()
+    result = Drainer(redis_client, RUN, sinks=[sink], batch=7, diagnoser=Recorder, snapshot=EVERY).run()
 
     assert result.status == "idle" and result.processed == 60 and result.rejected == 0
     assert [(f.kind, f.rank, f.step) for f in result.findings] == [("loss_spike", 1, 17)]
@@ -142,7 +146,7 @@ def test_two_ranks_in_order_state_saved_and_acked(redis_client: Any) -> None:
 
     for step in range(30, 35):  # a later drain continues from the saved state
         xadd(redis_client, record(step, 0))
-    result = Drainer(redis_client, RUN, sinks=[sink], batch=7, diagnoser=Recorder).run()
+    result = Drainer(redis_client, RUN, sinks=[sink], batch=7, diagnoser=Recorder, snapshot=EVERY).run()
     assert result.processed == 5
     assert saved_state(redis_client)["steps"]["0"] == list(range(35))
 
@@ -160,7 +164,7 @@ def test_malformed_entries_are_rejected_counted_and_acked(redis_client: Any) -> 
     xadd(redis_client, record(6))
 
     diag = Recorder()
-    result = Drainer(redis_client, RUN, sinks=[], diagnoser=lambda: diag).run()
+    result = Drainer(redis_client, RUN, sinks=[], diagnoser=lambda: diag, snapshot=EVERY).run()
 
     assert result.processed == 7 and result.rejected == 5
     assert diag.steps == {"0": [0, 6]}
@@ -182,7 +186,7 @@ def test_crash_before_ack_reprocesses_from_old_state_without_duplicates(redis_cl
     for step in range(12):
         xadd(redis_client, record(step, 0, loss=9.0 if step in (3, 8) else 1.0))
         xadd(redis_client, record(step, 1, loss=9.0 if step == 5 else 1.0))
-    Drainer(redis_client, RUN, sinks=[], batch=100, diagnoser=Recorder).run()  # batch 0..11 committed
+    Drainer(redis_client, RUN, sinks=[], batch=100, diagnoser=Recorder, snapshot=EVERY).run()  # batch 0..11 committed
     state_before = saved_state(redis_client)
     for step in range(12, 20):
         xadd(redis_client, record(step, 0, loss=9.0 if step == 15 else 1.0))
@@ -192,18 +196,23 @@ def test_crash_before_ack_reprocesses_from_old_state_without_duplicates(redis_cl
         return [RedisFindingsSink(redis_client), ArchiveSink(meta), ListSink(fail_times=fail)]
 
     with pytest.raises(RuntimeError, match="died mid-batch"):  # findings + archive written, then the "crash"
-        Drainer(redis_client, RUN, sinks=sinks(fail=1), batch=100, diagnoser=Recorder).run()
+        Drainer(redis_client, RUN, sinks=sinks(fail=1), batch=100, diagnoser=Recorder, snapshot=EVERY).run()
     assert pending(redis_client, 0) == 8  # nothing acked
     assert saved_state(redis_client) == state_before  # nothing saved
     assert [f["step"] for f in findings_in_stream(redis_client)] == [15]
 
-    result = Drainer(redis_client, RUN, sinks=sinks(fail=0), batch=100, diagnoser=Recorder).run()
+    result = Drainer(redis_client, RUN, sinks=sinks(fail=0), batch=100, diagnoser=Recorder, snapshot=EVERY).run()
     assert result.processed == 8 and pending(redis_client, 0) == 0
     assert saved_state(redis_client)["steps"]["0"] == list(range(20))  # continued, not doubled
     assert [f["step"] for f in findings_in_stream(redis_client)] == [15]  # no duplicate
-    rows = pq.read_table(run_dir / "archive" / f"part-0-{entry_id(12)}.parquet").column("step").to_pylist()
-    assert rows == list(range(12, 20))  # the re-processed batch overwrote its part
-    assert len(list((run_dir / "archive").glob("*.parquet"))) == 1
+    # the re-processed batch was appended to the live tail again; readers and the roll de-duplicate by entry id
+    tail = read_tail(run_dir / "archive" / "tail-0-000000.arrows")
+    assert [t.column("step").to_pylist() for t in tail.tables] == [list(range(12, 20))] * 2
+    assert [r.step for r in load_archive(run_dir / "archive")] == list(range(12, 20))
+    compact(run_dir / "archive")
+    rows = pq.read_table(run_dir / "archive" / "records-0-000000.parquet").column("step").to_pylist()
+    assert rows == list(range(12, 20))
+    assert sorted(p.name for p in (run_dir / "archive").iterdir()) == ["records-0-000000.parquet"]
 
 
 def test_real_diagnoser_crash_gives_the_same_findings_as_a_clean_run(redis_client: Any) -> None:
@@ -214,12 +223,13 @@ def test_real_diagnoser_crash_gives_the_same_findings_as_a_clean_run(redis_clien
                 xadd(redis_client, record(step, rank, run_id=run_id, loss=math.nan if bad else 2.0), run_id=run_id)
 
     fill("clean")
-    Drainer(redis_client, "clean", sinks=[RedisFindingsSink(redis_client)], batch=10).run()
+    Drainer(redis_client, "clean", sinks=[RedisFindingsSink(redis_client)], batch=10, snapshot=EVERY).run()
     fill("crashy")
     for fail_at in (1, 3):  # die after the findings of the 1st, then of the 3rd batch went out
         with pytest.raises(RuntimeError):
-            Drainer(redis_client, "crashy", sinks=[RedisFindingsSink(redis_client), DieAt(fail_at)], batch=10).run()
-    Drainer(redis_client, "crashy", sinks=[RedisFindingsSink(redis_client)], batch=10).run()
+            Drainer(redis_client, "crashy", sinks=[RedisFindingsSink(redis_client), DieAt(fail_at)], batch=10,
+                    snapshot=EVERY).run()
+    Drainer(redis_client, "crashy", sinks=[RedisFindingsSink(redis_client)], batch=10, snapshot=EVERY).run()
 
     clean, crashy = findings_in_stream(redis_client, "clean"), findings_in_stream(redis_client, "crashy")
     assert any(f["kind"] == "nan" and f["step"] == 9 and f["rank"] == 0 for f in clean)
@@ -234,17 +244,17 @@ def test_lease_excludes_a_concurrent_drainer(redis_client: Any) -> None:
     for step in range(5):
         xadd(redis_client, record(step))
     redis_client.set(keys.lock(RUN), "crashed-holder", px=400)  # a holder that died without releasing
-    assert Drainer(redis_client, RUN, sinks=[], lease_ms=400).run().status == "busy"
+    assert Drainer(redis_client, RUN, sinks=[], lease_ms=400, snapshot=EVERY).run().status == "busy"
     assert not redis_client.exists(keys.state(RUN))
 
     seen: list[str] = []
 
     class Concurrent(ListSink):
         def emit(self, run_id: str, findings: Any, records: Any) -> None:  # another trigger while we hold it
-            seen.append(Drainer(redis_client, RUN, sinks=[], lease_ms=400).run().status)
+            seen.append(Drainer(redis_client, RUN, sinks=[], lease_ms=400, snapshot=EVERY).run().status)
 
     time.sleep(0.5)  # the dead holder's lease expires
-    result = Drainer(redis_client, RUN, sinks=[Concurrent()], lease_ms=400, diagnoser=Recorder).run()
+    result = Drainer(redis_client, RUN, sinks=[Concurrent()], lease_ms=400, diagnoser=Recorder, snapshot=EVERY).run()
     assert result.processed == 5 and seen == ["busy"]
     assert not redis_client.exists(keys.lock(RUN))  # released
 
@@ -257,7 +267,7 @@ def test_lost_lease_commits_nothing(redis_client: Any) -> None:
         def emit(self, run_id: str, findings: Any, records: Any) -> None:  # we stalled past our lease
             redis_client.set(keys.lock(RUN), "someone-else", px=10_000)
 
-    result = Drainer(redis_client, RUN, sinks=[StealLease()], diagnoser=Recorder).run()
+    result = Drainer(redis_client, RUN, sinks=[StealLease()], diagnoser=Recorder, snapshot=EVERY).run()
     assert result.status == "lease_lost"
     assert pending(redis_client, 0) == 5 and not redis_client.exists(keys.state(RUN))
     assert redis_client.get(keys.lock(RUN)) == b"someone-else"  # not released by the loser
@@ -270,7 +280,7 @@ def test_abandoned_entries_of_another_consumer_are_claimed(redis_client: Any) ->
     redis_client.xgroup_create(stream, keys.GROUP, id="0")
     redis_client.xreadgroup(keys.GROUP, "old-worker", {stream: ">"}, count=4)  # read, never acked
     time.sleep(0.25)
-    result = Drainer(redis_client, RUN, sinks=[], lease_ms=200, diagnoser=Recorder).run()
+    result = Drainer(redis_client, RUN, sinks=[], lease_ms=200, diagnoser=Recorder, snapshot=EVERY).run()
     assert result.processed == 6
     assert pending(redis_client, 0) == 0
     assert saved_state(redis_client)["steps"]["0"] == list(range(6))
@@ -284,11 +294,12 @@ def test_end_of_run_finishes_once_and_marks_drained(redis_client: Any) -> None:
         xadd(redis_client, record(step, 1))
     redis_client.hset(keys.meta(RUN), "ended:0", "1")
     sink = ListSink()
-    assert Drainer(redis_client, RUN, sinks=[sink], diagnoser=Recorder).run().status == "idle"  # rank 1 still on
+    status = Drainer(redis_client, RUN, sinks=[sink], diagnoser=Recorder, snapshot=EVERY).run().status
+    assert status == "idle"  # rank 1 still on
     assert not redis_client.hexists(keys.meta(RUN), "drained") and sink.closed == []
 
     redis_client.hset(keys.meta(RUN), "ended:1", "1")
-    result = Drainer(redis_client, RUN, sinks=[sink], diagnoser=Recorder).run()
+    result = Drainer(redis_client, RUN, sinks=[sink], diagnoser=Recorder, snapshot=EVERY).run()
     assert result.status == "drained"
     assert [(f.kind, f.step) for f in result.findings] == [("divergence", 3)]
     assert sink.emits[-1][0] == result.findings and sink.emits[-1][1] == []
@@ -298,7 +309,7 @@ def test_end_of_run_finishes_once_and_marks_drained(redis_client: Any) -> None:
     assert not redis_client.sismember(keys.RUNS, RUN)
 
     redis_client.sadd(keys.RUNS, RUN)  # a stale trigger for a drained run does nothing
-    assert Drainer(redis_client, RUN, sinks=[sink], diagnoser=Recorder).run().status == "drained"
+    assert Drainer(redis_client, RUN, sinks=[sink], diagnoser=Recorder, snapshot=EVERY).run().status == "drained"
     assert sink.closed == [RUN] and not redis_client.sismember(keys.RUNS, RUN)
 
 
@@ -317,11 +328,13 @@ def test_archive_parts_read_back_equal_the_records(redis_client: Any, tmp_path: 
             rec = StepRecord(run_id=RUN, step=step, rank=rank, wall_time=100.5 + step, host=f"node{rank}",
                              batch=None if step % 2 else f"shard-{step}", signals=signals)  # fmt: skip
             written.append((xadd(redis_client, rec), rec))
-    Drainer(redis_client, RUN, sinks=[ArchiveSink(redis_meta(redis_client))], batch=4).run()
+    Drainer(redis_client, RUN, sinks=[ArchiveSink(redis_meta(redis_client))], batch=4, snapshot=EVERY).run()
 
-    parts = sorted((run_dir / "archive").glob("part-*.parquet"))
-    assert len(parts) == 6  # 3 batches x 2 ranks
-    table = pa.concat_tables([pq.read_table(p) for p in parts], promote_options="default")
+    tails = sorted((run_dir / "archive").glob("tail-*.arrows"))
+    assert [p.name for p in tails] == ["tail-0-000000.arrows", "tail-1-000000.arrows"]  # one live file per rank
+    frames = [read_tail(p).tables for p in tails]
+    assert [len(f) for f in frames] == [3, 3]  # 3 batches appended per rank
+    table = pa.concat_tables([t for f in frames for t in f], promote_options="default")
     rows = sorted(table.to_pylist(), key=lambda r: (r["rank"], r["step"]))
     assert len(rows) == 20
     for row, (eid, rec) in zip(rows, sorted(written, key=lambda w: (w[1].rank, w[1].step)), strict=True):
@@ -341,8 +354,8 @@ def test_archive_parts_read_back_equal_the_records(redis_client: Any, tmp_path: 
 
     # at the end of the run the parts are compacted into one file per rank with the same rows, in step order
     ArchiveSink(redis_meta(redis_client)).close(RUN)
-    files = sorted(p.name for p in (run_dir / "archive").glob("*.parquet"))
-    assert files == ["records-0.parquet", "records-1.parquet"]
+    files = sorted(p.name for p in (run_dir / "archive").iterdir())
+    assert files == ["records-0-000000.parquet", "records-1-000000.parquet"]
     merged = pa.concat_tables([pq.read_table(run_dir / "archive" / f) for f in files], promote_options="default")
     assert merged.num_rows == 20 and merged.column("step").to_pylist() == list(range(10)) * 2
     def same(row: dict[str, Any]) -> str:  # NaN-aware row comparison

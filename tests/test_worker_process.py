@@ -22,6 +22,7 @@ import pytest
 from stability import keys
 from stability.embedded import RedisServer
 from stability.records import StepRecord, encode
+from stability.worker.archive import iter_archive_files, read_tail
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +58,7 @@ def start_worker(redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable
         STABILITY_LEASE_MS="1500",
         STABILITY_BATCH="25",
         STABILITY_DRAIN_S="2",
+        STABILITY_SNAPSHOT_S="10",  # processed entries stay pending up to 10 s: the kill lands before their ack
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS="1",
     )
@@ -91,7 +93,13 @@ def add(client: Any, steps: range) -> None:
 
 
 def archived(run_dir: Path) -> list[tuple[int, int]]:
-    parts = [pq.read_table(p, columns=["rank", "step"]) for p in sorted((run_dir / "archive").glob("*.parquet"))]
+    """Every archived row, duplicates included: closed Parquet segments and the live tails."""
+    parts = []
+    for path in iter_archive_files(run_dir / "archive"):
+        if path.suffix == ".parquet":
+            parts.append(pq.read_table(path, columns=["rank", "step"]))
+        else:
+            parts += [t.select(["rank", "step"]) for t in read_tail(path).tables]
     if not parts:
         return []
     table = pa.concat_tables(parts)

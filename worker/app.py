@@ -16,6 +16,8 @@ variable                    default                     meaning
 ``STABILITY_BATCH``         ``500``                     entries read per rank and batch
 ``STABILITY_LEASE_MS``      ``30000``                   per-run drain lease (and abandoned-entry idle time)
 ``STABILITY_DRAIN_S``       ``20``                      time budget of one drain task
+``STABILITY_SNAPSHOT_S``    ``5``                       seconds between detector snapshots (+ acks, trim)
+``STABILITY_SNAPSHOT_N``    ``5000``                    entries after which a snapshot is taken anyway
 ==========================  ==========================  ===============================================
 """
 
@@ -55,6 +57,10 @@ class WorkerSettings:
     """Per-run lease; a worker that dies holding it blocks that run for at most this long."""
     drain_s: float = 20.0
     """Time budget of one drain task."""
+    snapshot_s: float = 5.0
+    """Seconds between commits of a run (detector snapshot, acks, stream trim); see ``drain.SnapshotPolicy``."""
+    snapshot_n: int = 5_000
+    """Entries processed after which a run is committed anyway."""
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://", "redis+socket://")):
@@ -67,6 +73,10 @@ class WorkerSettings:
             raise ConfigError(f"STABILITY_LEASE_MS must be >= 100, got {self.lease_ms}")
         if not self.drain_s > 0:
             raise ConfigError(f"STABILITY_DRAIN_S must be > 0, got {self.drain_s}")
+        if self.snapshot_s < 0:
+            raise ConfigError(f"STABILITY_SNAPSHOT_S must be >= 0, got {self.snapshot_s}")
+        if self.snapshot_n < 1:
+            raise ConfigError(f"STABILITY_SNAPSHOT_N must be >= 1, got {self.snapshot_n}")
 
     @property
     def client_url(self) -> str:
@@ -95,6 +105,8 @@ class WorkerSettings:
             batch=int(get("STABILITY_BATCH", int, 500)),
             lease_ms=int(get("STABILITY_LEASE_MS", int, 30_000)),
             drain_s=get("STABILITY_DRAIN_S", float, 20.0),
+            snapshot_s=get("STABILITY_SNAPSHOT_S", float, 5.0),
+            snapshot_n=int(get("STABILITY_SNAPSHOT_N", int, 5_000)),
         )
 
 

@@ -1,26 +1,38 @@
-"""Drain one run's record streams in order, run the detectors, hand findings to the sinks.
+"""Drain one run's record streams in order, run the detectors, hand findings to the sinks, keep Redis bounded.
 
 Redis Streams are the source of truth; a Celery ``drain(run_id)`` task is only a trigger. One :class:`Drainer`
 call:
 
 1. takes the run's lease (``SET keys.lock(run) <token> NX PX lease_ms``); if another worker holds it, returns at
    once (status ``busy``);
-2. creates the consumer group on every rank stream, loads the detector state saved by the previous drain, and
-   claims entries left pending by consumers of other names (``XAUTOCLAIM``, idle >= one lease);
-3. loops: reads a batch per rank, its own pending entries first (a previous drain that died before acking),
-   else new ones; feeds them to the detectors merged in stream-id order (each rank stays in step order); sends
-   findings and records to the sinks (a background thread renews the lease meanwhile, so a batch slower than one
-   lease is not given up and re-done forever); then in ONE ``MULTI/EXEC`` (guarded by ``WATCH`` on the lease) saves the
-   detector state, XACKs the batch and records rejected entries. A worker killed anywhere before ``EXEC`` leaves
-   the entries pending and the old state, so the next drain re-processes the batch from the same state and the
-   idempotent sinks absorb the repeat;
-4. when every rank has ``ended:<rank>`` in the metadata and nothing is left, calls ``finish()``, closes the
+2. resumes the run: if this process drained the run last (an owner token next to the lease says so), it continues
+   with the detectors and read positions it kept in memory; otherwise it creates the consumer group on every rank
+   stream, loads the detector *snapshot* saved by the last commit, claims entries left pending by consumers of
+   other names (``XAUTOCLAIM``, idle >= one lease) and *recovers*: it re-reads its own pending entries (the
+   entries processed since that snapshot and never acknowledged) before any new one;
+3. loops: reads a batch per rank (pending entries while recovering, then new ones, positions tracked in
+   memory); feeds them to the detectors merged in stream-id order (each rank stays in step order); sends findings
+   and records to the sinks at once (a background thread renews the lease meanwhile, so a batch slower than one
+   lease is not given up and re-done forever). The entries stay pending;
+4. *commits* at most every :attr:`SnapshotPolicy.every_s` seconds or :attr:`SnapshotPolicy.every_records`
+   entries (and always at the end of the run): asks the sinks to make what they wrote durable
+   (``sync(run_id)``, e.g. the archive's fsync), then in ONE ``MULTI/EXEC`` (guarded by ``WATCH`` on the lease)
+   saves the detector snapshot, XACKs every entry processed since the last commit, records rejected entries and,
+   when the run's records are archived, trims each rank stream with ``XTRIM MINID`` below the oldest entry any
+   consumer group still has pending or has not read yet. A worker killed anywhere before ``EXEC`` leaves the
+   entries pending and the old snapshot, so the next drain re-processes exactly those entries from the same state
+   and the idempotent sinks absorb the repeat (exactly-once for the detector state, at-least-once for sinks);
+5. when every rank has ``ended:<rank>`` in the metadata and nothing is left, calls ``finish()``, closes the
    sinks for the run (the report sink writes ``findings.json`` and ``report.html`` then; a background thread
-   renews the lease meanwhile, since a long run's report can take longer than one lease), marks the metadata
-   ``drained`` and removes the run from ``keys.RUNS``.
+   renews the lease meanwhile, since a long run's report can take longer than one lease), commits, marks the
+   metadata ``drained`` and removes the run from ``keys.RUNS``.
+
+Why snapshots and not a state SET per batch: the detector state of a run is tens to hundreds of KB; re-saving it
+with every batch made the append-only file grow by that much several times a second. With a snapshot every few
+seconds Redis holds, per run, one state, the entries since the last commit and the not-yet-drained backlog.
 
 Malformed entries (not decodable, missing field ``r``, wrong run) are never retried: they go to
-``keys.errors(run)`` with the reason, count in the metadata field ``errors`` and are acked with the batch.
+``keys.errors(run)`` with the reason, count in the metadata field ``errors`` and are acked with the next commit.
 """
 
 from __future__ import annotations
@@ -45,7 +57,7 @@ from stability.errors import ConfigError, RecordError
 from stability.records import decode
 from stability.worker.sinks import Entry, Sink
 
-__all__ = ["CONSUMER", "DrainResult", "Drainer", "Diagnoser"]
+__all__ = ["CONSUMER", "DrainResult", "Drainer", "Diagnoser", "SnapshotPolicy", "owner_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +75,57 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+_TAKE_OVER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return 1 end
+redis.call('SET', KEYS[1], ARGV[2])
+return 0
+"""
+# Trim a stream below the oldest entry any group still needs: its oldest pending entry, or the entry after its
+# last delivered one (not yet read). Entries are acked in the same transaction, just before this script.
+_TRIM = """
+local function id_less(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am < bm or (am == bm and as < bs)
+end
+local minid = nil
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local info = {}
+  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+  local keep = info['last-delivered-id']
+  if tonumber(info['pending']) > 0 then
+    local p = redis.call('XPENDING', KEYS[1], info['name'])
+    if id_less(p[2], keep) then keep = p[2] end
+  end
+  if minid == nil or id_less(keep, minid) then minid = keep end
+end
+if minid == nil or minid == '0-0' then return 0 end
+return redis.call('XTRIM', KEYS[1], 'MINID', minid)
+"""
+
+
+def owner_key(run_id: str) -> str:
+    """Token of the drainer context that last held the run's lease (same hash slot as the lease)."""
+    return f"{keys.lock(run_id)}:owner"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SnapshotPolicy:
+    """How often a drainer commits: detector snapshot + acks + stream trim (see the module docstring)."""
+
+    every_s: float = 5.0
+    """Commit once this long has passed since the last commit (checked after each batch and when caught up)."""
+    every_records: int = 5_000
+    """Commit once this many entries were processed since the last commit."""
+    trim_unarchived: bool = False
+    """Trim acked entries even when no sink archived them (then Redis holds no copy of old records)."""
+
+    def __post_init__(self) -> None:
+        if self.every_s < 0:
+            raise ConfigError(f"every_s must be >= 0, got {self.every_s}")
+        if self.every_records < 1:
+            raise ConfigError(f"every_records must be >= 1, got {self.every_records}")
 
 
 class Diagnoser(Protocol):
@@ -80,10 +143,14 @@ class DrainResult:
 
     status: str
     """``busy`` (lease held elsewhere), ``idle`` (caught up), ``timeout`` (time budget spent, more may remain),
-    ``drained`` (run finished and fully processed), ``lease_lost`` (stopped without committing the batch)."""
+    ``drained`` (run finished and fully processed), ``lease_lost`` (stopped without committing)."""
     processed: int = 0
-    """Entries acked (records and rejected entries)."""
+    """Entries processed (records and rejected entries), committed or still pending until the next commit."""
     rejected: int = 0
+    committed: int = 0
+    """Entries acknowledged by this call's commits (may include entries processed by an earlier call)."""
+    trimmed: int = 0
+    """Stream entries deleted by ``XTRIM`` in this call's commits."""
     findings: list[Finding] = field(default_factory=list)
 
 
@@ -93,6 +160,28 @@ class _Batch:
     acks: dict[int, list[str]] = field(default_factory=dict)
     rejects: list[tuple[int, str, str]] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Context:
+    """A run's drain as kept in this process between commits (valid while its token owns the run)."""
+
+    token: str
+    factory: Callable[[], Diagnoser]
+    diag: Diagnoser
+    cursors: dict[int, str | None] = field(default_factory=dict)
+    """Per rank: next pending id to re-read while recovering; None once reading new entries."""
+    unacked: dict[int, list[str]] = field(default_factory=dict)
+    rejects: list[tuple[int, str, str]] = field(default_factory=list)
+    since_commit: int = 0
+    committed_at: float = field(default_factory=time.monotonic)
+
+
+_CONTEXTS: dict[str, _Context] = {}
+"""Runs this process drained last, by run id, least recently used first (a run that never finishes is evicted)."""
+_CONTEXTS_LOCK = threading.Lock()
+MAX_KEPT_CONTEXTS = 256
+"""Most runs whose drain context a process keeps in memory; an evicted run recovers from its snapshot."""
 
 
 class _LeaseLost(Exception):
@@ -110,6 +199,7 @@ class Drainer:
         lease_ms: Lease time; also the idle time after which another consumer's pending entries are claimed.
         max_seconds: Stop after this long (status ``timeout``) so other runs get served; the sweep re-triggers.
         diagnoser: Factory of the detector suite (default :class:`RunDiagnoser`).
+        snapshot: Commit cadence (default :class:`SnapshotPolicy`).
     """
 
     def __init__(
@@ -122,6 +212,7 @@ class Drainer:
         lease_ms: int = 30_000,
         max_seconds: float = 20.0,
         diagnoser: Callable[[], Diagnoser] = RunDiagnoser,
+        snapshot: SnapshotPolicy | None = None,
     ) -> None:
         if batch < 1:
             raise ConfigError(f"batch must be >= 1, got {batch}")
@@ -133,10 +224,11 @@ class Drainer:
         self.batch = batch
         self.lease_ms = lease_ms
         self.max_seconds = max_seconds
+        self.snapshot = snapshot or SnapshotPolicy()
         self._new_diagnoser = diagnoser
         self._extend = client.register_script(_EXTEND)
         self._release = client.register_script(_RELEASE)
-        self._grouped: set[int] = set()
+        self._take_over = client.register_script(_TAKE_OVER)
         self._logged_reject = False
 
     # -- lease -----------------------------------------------------------------------------------------------
@@ -148,10 +240,18 @@ class Drainer:
         if not self.client.set(lock, token, nx=True, px=self.lease_ms):
             logger.debug("%s: lease busy, skipping", self.run_id)
             return DrainResult(status="busy")
+        ctx: _Context | None = None
         try:
-            return self._drain(token)
+            ctx = self._resume()
+            result = self._drain(token, ctx)
+            if result.status != "drained":
+                with _CONTEXTS_LOCK:
+                    _CONTEXTS[self.run_id] = ctx  # only a clean return keeps the in-memory continuation
+                    while len(_CONTEXTS) > MAX_KEPT_CONTEXTS:
+                        del _CONTEXTS[next(iter(_CONTEXTS))]
+            return result
         except _LeaseLost:
-            logger.warning("%s: lease lost; the batch stays pending for the next drain", self.run_id)
+            logger.warning("%s: lease lost; uncommitted entries stay pending for the next drain", self.run_id)
             return DrainResult(status="lease_lost")
         finally:
             self._release(keys=[lock], args=[token])
@@ -160,46 +260,69 @@ class Drainer:
         if not self._extend(keys=[keys.lock(self.run_id)], args=[token, self.lease_ms]):
             raise _LeaseLost
 
+    def _resume(self) -> _Context:
+        """This process's continuation of the run if it still owns it, else a fresh one from the snapshot."""
+        with _CONTEXTS_LOCK:
+            kept = _CONTEXTS.pop(self.run_id, None)
+        fresh = secrets.token_hex(16)
+        mine = kept is not None and kept.factory is self._new_diagnoser
+        if self._take_over(keys=[owner_key(self.run_id)], args=[kept.token if mine and kept else "", fresh]) and kept:
+            return kept
+        return _Context(token=fresh, factory=self._new_diagnoser, diag=self._load_diagnoser())
+
     # -- main loop -------------------------------------------------------------------------------------------
 
-    def _drain(self, token: str) -> DrainResult:
+    def _drain(self, token: str, ctx: _Context) -> DrainResult:
         meta = keys.meta(self.run_id)
         if self.client.hexists(meta, "drained"):
             self.client.srem(keys.RUNS, self.run_id)
             return DrainResult(status="drained")
-        diag = self._load_diagnoser()
         result = DrainResult(status="idle")
         deadline = time.monotonic() + self.max_seconds
         while True:
             self._renew(token)
-            ranks = self._ranks()
+            ranks = self._ranks(ctx)
             ended = self._all_ended(ranks)  # read before the batch: an emitter marks the end after its last XADD
             with self._lease_kept(token):  # a slow batch (busy CPU, many signals) must not lose the lease midway
-                batch = self._read_batch(ranks, diag)
+                batch = self._read_batch(ranks, ctx)
                 if batch.acks:
                     for sink in self.sinks:
                         sink.emit(self.run_id, batch.findings, batch.entries)
             if not batch.acks:
                 if ended:
-                    result.findings += self._finish(token, diag)
+                    result.findings += self._finish(token, ctx, result)
                     result.status = "drained"
+                elif self._due(ctx):
+                    self._commit(token, ctx, result)
                 return result
-            self._commit(token, diag, batch)
-            result.processed += sum(len(ids) for ids in batch.acks.values())
+            for rank, ids in batch.acks.items():
+                ctx.unacked.setdefault(rank, []).extend(ids)
+            ctx.rejects += batch.rejects
+            count = sum(len(ids) for ids in batch.acks.values())
+            ctx.since_commit += count
+            result.processed += count
             result.rejected += len(batch.rejects)
             result.findings += batch.findings
+            if self._due(ctx):
+                self._commit(token, ctx, result)
             if time.monotonic() >= deadline:
                 result.status = "timeout"
                 return result
 
-    def _ranks(self) -> list[int]:
+    def _due(self, ctx: _Context) -> bool:
+        if not ctx.since_commit:
+            return False
+        return (ctx.since_commit >= self.snapshot.every_records
+                or time.monotonic() - ctx.committed_at >= self.snapshot.every_s)
+
+    def _ranks(self, ctx: _Context) -> list[int]:
         members: Iterable[bytes] = self.client.smembers(keys.ranks(self.run_id))  # type: ignore[assignment]
         ranks = sorted(int(m) for m in members)
         for rank in ranks:
-            if rank not in self._grouped:
+            if rank not in ctx.cursors:
                 self._create_group(rank)
                 self._claim_abandoned(rank)
-                self._grouped.add(rank)
+                ctx.cursors[rank] = "0"  # first re-read what this consumer has pending
         return ranks
 
     def _all_ended(self, ranks: list[int]) -> bool:
@@ -237,23 +360,27 @@ class Drainer:
             if start == "0-0":
                 return
 
-    def _read(self, ranks: list[int], last_id: str) -> dict[int, list[tuple[bytes, dict[bytes, bytes]]]]:
-        if not ranks:
+    def _read(self, positions: dict[int, str]) -> dict[int, list[tuple[bytes, dict[bytes, bytes]]]]:
+        if not positions:
             return {}
-        streams = {keys.records(self.run_id, r): last_id for r in ranks}
+        streams = {keys.records(self.run_id, r): pos for r, pos in positions.items()}
         reply = self.client.xreadgroup(keys.GROUP, CONSUMER, streams, count=self.batch)  # type: ignore[arg-type]
         by_stream = {_text(name): entries for name, entries in (reply or [])}  # type: ignore[union-attr]
         out = {}
-        for rank in ranks:
+        for rank in positions:
             entries = by_stream.get(keys.records(self.run_id, rank))
             if entries:
                 out[rank] = entries
         return out
 
-    def _read_batch(self, ranks: list[int], diag: Diagnoser) -> _Batch:
-        """Pending entries of each rank first; ranks with none pending read new entries."""
-        raw = self._read(ranks, "0")
-        raw.update(self._read([r for r in ranks if r not in raw], ">"))
+    def _read_batch(self, ranks: list[int], ctx: _Context) -> _Batch:
+        """Recovering ranks re-read their pending entries (from their cursor); the others read new entries."""
+        recovering = {r: pos for r in ranks if (pos := ctx.cursors.get(r)) is not None}
+        raw = self._read(recovering)
+        for rank in recovering:
+            entries = raw.get(rank)
+            ctx.cursors[rank] = _text(entries[-1][0]) if entries else None
+        raw.update(self._read({r: ">" for r in ranks if r not in raw}))
         batch = _Batch()
         merged = heapq.merge(
             *([(_id_key(eid), rank, eid, fields) for eid, fields in entries] for rank, entries in raw.items())
@@ -267,7 +394,7 @@ class Drainer:
                 self._reject(batch, rank, entry_id, str(exc))
                 continue
             batch.entries.append(entry)
-            batch.findings += diag.update(entry.record)
+            batch.findings += ctx.diag.update(entry.record)
         return batch
 
     def _decode(self, rank: int, entry_id: str, fields: dict[bytes, bytes] | None) -> Entry:
@@ -290,26 +417,51 @@ class Drainer:
 
     # -- committing ------------------------------------------------------------------------------------------
 
-    def _commit(self, token: str, diag: Diagnoser, batch: _Batch) -> None:
-        """Save the detector state, ack the batch and record rejects in one transaction, if we hold the lease."""
+    def _sync_sinks(self) -> bool:
+        """Ask every sink that can to make this run's output durable; True if one archived the records."""
+        archived = False
+        for sink in self.sinks:
+            sync = getattr(sink, "sync", None)
+            if sync is not None and sync(self.run_id):
+                archived = True
+        return archived
+
+    def _commit(self, token: str, ctx: _Context, result: DrainResult, extra: Callable[[Any], None] | None = None,
+                ) -> None:
+        """Snapshot, ack, record rejects and trim in one transaction, if we hold the lease (module docstring)."""
+        trim = self._sync_sinks() or self.snapshot.trim_unarchived
+        unacked, rejects = ctx.unacked, ctx.rejects
 
         def ops(pipe: Any) -> None:
-            for rank, ids in batch.acks.items():
+            for rank, ids in unacked.items():
                 pipe.xack(keys.records(self.run_id, rank), keys.GROUP, *ids)
-            for rank, entry_id, reason in batch.rejects:
+            for rank, entry_id, reason in rejects:
                 pipe.xadd(
                     keys.errors(self.run_id),
                     {"rank": rank, "entry": entry_id, "reason": reason[:1000]},
                     maxlen=ERRORS_MAXLEN,
                     approximate=True,
                 )
-            if batch.rejects:
-                pipe.hincrby(keys.meta(self.run_id), "errors", len(batch.rejects))
+            if rejects:
+                pipe.hincrby(keys.meta(self.run_id), "errors", len(rejects))
+            if trim:
+                for rank in unacked:
+                    pipe.eval(_TRIM, 1, keys.records(self.run_id, rank))
+            if extra is not None:
+                extra(pipe)
 
-        self._transaction(token, diag, ops)
+        replies = self._transaction(token, ctx.diag, ops)
+        acked = sum(len(ids) for ids in unacked.values())
+        result.committed += acked
+        if trim:
+            n_ack, n_rej = len(unacked), len(rejects)
+            trims = replies[n_ack + n_rej + (1 if rejects else 0):][:n_ack]
+            result.trimmed += sum(int(t) for t in trims)
+        ctx.unacked, ctx.rejects, ctx.since_commit = {}, [], 0
+        ctx.committed_at = time.monotonic()
 
-    def _finish(self, token: str, diag: Diagnoser) -> list[Finding]:
-        findings = diag.finish()
+    def _finish(self, token: str, ctx: _Context, result: DrainResult) -> list[Finding]:
+        findings = ctx.diag.finish()
         for sink in self.sinks:
             sink.emit(self.run_id, findings, [])
         with self._lease_kept(token):
@@ -318,9 +470,11 @@ class Drainer:
 
         def ops(pipe: Any) -> None:
             pipe.hset(keys.meta(self.run_id), "drained", repr(time.time()))
-            pipe.srem(keys.RUNS, self.run_id)
 
-        self._transaction(token, diag, ops)
+        self._commit(token, ctx, result, ops)
+        # not in the transaction: keys.RUNS is global (another hash slot on a Redis Cluster); a crash here leaves a
+        # drained run in RUNS, which the next drain removes (see _drain)
+        self.client.srem(keys.RUNS, self.run_id)
         logger.info("%s: drained (%d findings at finish)", self.run_id, len(findings))
         return findings
 
@@ -344,7 +498,8 @@ class Drainer:
             done.set()
             thread.join()
 
-    def _transaction(self, token: str, diag: Diagnoser, ops: Callable[[Any], None]) -> None:
+    def _transaction(self, token: str, diag: Diagnoser, ops: Callable[[Any], None]) -> list[Any]:
+        """Run ``SET state`` + ``ops`` in MULTI/EXEC if the lease is still ours; returns the replies of ``ops``."""
         lock = keys.lock(self.run_id)
         state = msgpack.packb(diag.state_dict(), use_bin_type=True)
         with self.client.pipeline(transaction=True) as pipe:
@@ -357,9 +512,10 @@ class Drainer:
                 pipe.set(keys.state(self.run_id), state)
                 ops(pipe)
                 pipe.pexpire(lock, self.lease_ms)
-                pipe.execute()
+                replies: list[Any] = pipe.execute()
             except redis.WatchError:
                 raise _LeaseLost from None
+        return replies[1:-1]
 
 
 def _id_key(entry_id: bytes | str) -> tuple[int, int]:

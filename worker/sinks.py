@@ -7,11 +7,15 @@ detector state, producing the same findings. Every sink is therefore idempotent:
 
 * :class:`ConsoleSink` logs (a repeated log line is harmless);
 * :class:`RedisFindingsSink` adds a finding to the findings stream only once per ``(rank, kind, step)``;
-* :class:`ArchiveSink` writes one Parquet part per (batch, rank) with a deterministic name, so a re-processed
-  batch overwrites its own part;
+* :class:`ArchiveSink` appends each batch to the rank's live archive segment; a re-processed batch is appended
+  again and de-duplicated by entry id when the segment is closed and by every reader;
 * :class:`~stability.worker.wandb_sink.WandbSink` keeps its own ``(rank, kind, step)`` set;
 * :class:`ReportSink` acts only when the run is closed: it rewrites ``findings.json`` and ``report.html`` from the
   whole archive (a repeated close writes the same files again).
+
+A sink may also have ``sync(run_id) -> bool``: the drainer calls it before it acknowledges (and may trim) the
+entries of a commit; it makes what was emitted durable and returns True if the run's records are archived by it
+(:class:`ArchiveSink`), which is what allows the drainer to trim them from Redis.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +34,8 @@ import redis
 from stability import keys
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord
+from stability.worker import archive
+from stability.worker.archive import ArchiveConfig, ArchiveWriter
 
 __all__ = [
     "ArchiveSink",
@@ -162,23 +168,32 @@ class RedisFindingsSink:
 
 
 class ArchiveSink:
-    """Writes every processed record to Parquet: ``<dir>/part-<rank>-<first entry id>.parquet``, one row per record.
+    """Writes every processed record to the run's archive: per rank, Parquet segments plus a live tail.
 
     ``<dir>`` is ``<run_dir>/archive`` when the run's ``run_dir`` (from its metadata) exists on this machine, else
     ``$STABILITY_ARCHIVE_DIR/<run_id>`` when that variable is set (or ``archive_dir`` is given); otherwise the run
-    is not archived (logged once). Columns: :data:`ARCHIVE_COLUMNS` plus one float64 column per signal name,
-    NULL where a record lacks the signal, NaN/Inf kept. A signal whose name clashes with a fixed column is stored
-    as ``signal:<name>``. Parts are written to a temporary file and renamed, so a reader never sees half a part.
+    is not archived (logged once). Each batch is appended per rank to ``tail-<rank>-<seq>.arrows`` (framed Arrow
+    IPC, readable after a crash), rolled into ``records-<rank>-<seq>.parquet`` by size/time and at the end of the
+    run (:mod:`stability.worker.archive` explains the layout and why). Columns: :data:`ARCHIVE_COLUMNS` plus one
+    float64 column per signal name, NULL where a record lacks the signal, NaN/Inf kept. A signal whose name
+    clashes with a fixed column is stored as ``signal:<name>``. A re-delivered batch is appended again and
+    de-duplicated by ``entry_id`` when its segment is rolled (and by readers before that).
+
+    :meth:`sync` fsyncs what was appended; the drainer calls it before acknowledging (and trimming) the entries,
+    so Redis drops a record only once it is on disk.
     """
 
-    def __init__(self, meta: MetaLookup, *, archive_dir: str | Path | None = None) -> None:
+    def __init__(self, meta: MetaLookup, *, archive_dir: str | Path | None = None,
+                 config: ArchiveConfig | None = None) -> None:
         self._meta = meta
         base = archive_dir if archive_dir is not None else os.environ.get("STABILITY_ARCHIVE_DIR") or None
         self._base = Path(base) if base is not None else None
+        self._config = config or ArchiveConfig()
         self._dirs: dict[str, Path | None] = {}
+        self._writers: dict[str, ArchiveWriter] = {}
 
     def directory(self, run_id: str) -> Path | None:
-        """Directory of ``run_id``'s parts (None: not archived); resolved once per run."""
+        """Directory of ``run_id``'s archive (None: not archived); resolved once per run."""
         if run_id not in self._dirs:
             self._dirs[run_id] = self._resolve(run_id)
         return self._dirs[run_id]
@@ -190,8 +205,14 @@ class ArchiveSink:
                         self._meta(run_id).get("run_dir"))
         return directory
 
+    def _writer(self, run_id: str, directory: Path) -> ArchiveWriter:
+        writer = self._writers.get(run_id)
+        if writer is None or writer.directory != directory:
+            writer = self._writers[run_id] = ArchiveWriter(directory, self._config)
+        return writer
+
     def emit(self, run_id: str, findings: Sequence[Finding], records: Sequence[Entry]) -> None:
-        """Write one part per rank of this batch."""
+        """Append this batch's records to each rank's open segment."""
         directory = self.directory(run_id) if records else None
         if directory is None:
             return
@@ -199,12 +220,26 @@ class ArchiveSink:
         by_rank: dict[int, list[Entry]] = {}
         for entry in records:
             by_rank.setdefault(entry.rank, []).append(entry)
+        writer = self._writer(run_id, directory)
         for rank, entries in sorted(by_rank.items()):
-            _write_part(directory / f"part-{rank}-{entries[0].entry_id}.parquet", run_id, entries)
+            writer.append(rank, archive_table(run_id, entries))
+
+    def sync(self, run_id: str) -> bool:
+        """Make what :meth:`emit` wrote for ``run_id`` durable; True if the run's records are archived here."""
+        directory = self.directory(run_id)
+        if directory is None:
+            return False
+        writer = self._writers.get(run_id)
+        if writer is not None:
+            writer.sync()
+        return True
 
     def close(self, run_id: str) -> None:
-        """At the end of the run: compact the parts into one ``records-<rank>.parquet`` per rank, forget the run."""
+        """At the end of the run: roll every open segment into Parquet (see :func:`compact`), forget the run."""
         directory = self._dirs.pop(run_id, None) or self._resolve(run_id)
+        writer = self._writers.pop(run_id, None)
+        if writer is not None:
+            writer.sync()
         if directory is not None and directory.is_dir():
             compact(directory)
 
@@ -260,7 +295,10 @@ class ReportSink:
             return
         run_dir = meta.get("run_dir")
         out = Path(run_dir) if run_dir and directory == Path(run_dir) / "archive" else directory
-        records = postmortem.load_archive(directory)
+        damaged: list[str] = []
+        records = postmortem.load_archive(directory, damaged=damaged)
+        if damaged:
+            meta["damaged_files"] = json.dumps(damaged)
         result = postmortem.analyze(records, run_id, meta=meta)
         json_path, html_path = out / "findings.json", out / "report.html"
         postmortem.write_outputs(result, records, json_out=json_path, html_out=html_path)
@@ -269,30 +307,31 @@ class ReportSink:
             self._client.hset(keys.meta(run_id), mapping={"report": str(html_path), "findings": str(json_path)})
 
 
-def compact(directory: Path) -> None:
-    """Merge ``part-<rank>-*.parquet`` (and an earlier ``records-<rank>.parquet``) into ``records-<rank>.parquet``.
+_LEGACY_RE = re.compile(r"^(?:part-(\d+)-.+|records-(\d+))\.parquet$")
 
-    Crash-safe: the merged file is written under a temporary name and renamed before the parts are deleted, and
-    readers de-duplicate records by (rank, step), so a crash between the two steps loses and repeats nothing.
+
+def compact(directory: Path) -> None:
+    """Close every open segment of ``directory`` into its Parquet file, and fold parts of the older one-file-per-batch
+    layout (``part-<rank>-*.parquet``, ``records-<rank>.parquet``) into a new segment per rank.
+
+    Crash-safe: every file is written under a temporary name and renamed before its sources are deleted, and
+    readers de-duplicate, so a crash between the two steps loses and repeats nothing.
     """
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    by_rank: dict[str, list[Path]] = {}
-    for part in directory.glob("part-*.parquet"):
-        by_rank.setdefault(part.name.split("-")[1], []).append(part)
-    for rank, parts in by_rank.items():
-        target = directory / f"records-{rank}.parquet"
-        sources = ([target] if target.exists() else []) + sorted(parts, key=lambda p: _id_key(p.stem.split("-", 2)[2]))
-        _write_atomically(pa.concat_tables([pq.read_table(p) for p in sources], promote_options="default"), target)
+    archive.finalize_directory(directory)
+    legacy: dict[int, list[Path]] = {}
+    for path in directory.glob("*.parquet"):
+        if m := _LEGACY_RE.match(path.name):
+            legacy.setdefault(int(m[1] or m[2]), []).append(path)
+    for rank, parts in sorted(legacy.items()):
+        table = archive.table_rows_by_entry([pq.read_table(p) for p in parts])
+        seqs = [int(m[2]) for p in directory.iterdir() if (m := archive.SEGMENT_RE.match(p.name)) and int(m[1]) == rank]
+        target = directory / f"records-{rank}-{max(seqs, default=-1) + 1:06d}.parquet"
+        archive.write_parquet_atomically(table, target)
         for part in parts:
             part.unlink(missing_ok=True)
-        logger.info("compacted %d archive parts of rank %s into %s", len(parts), rank, target)
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
+        logger.info("compacted %d archive parts of rank %d into %s", len(parts), rank, target)
 
 
 def archive_table(run_id: str, entries: Sequence[Entry]) -> Any:
@@ -314,22 +353,3 @@ def archive_table(run_id: str, entries: Sequence[Entry]) -> Any:
         column = f"signal:{name}" if name in columns else name
         columns[column] = pa.array([r.signals.get(name) for r in recs], pa.float64())
     return pa.table(columns)
-
-
-def _write_part(path: Path, run_id: str, entries: Sequence[Entry]) -> None:
-    _write_atomically(archive_table(run_id, entries), path)
-    logger.debug("archived %d records to %s", len(entries), path)
-
-
-def _write_atomically(table: Any, path: Path) -> None:
-    """Write a Parquet file under a temporary name and rename it, so a reader never sees half a file."""
-    import pyarrow.parquet as pq
-
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".parquet.tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -15,7 +15,7 @@ import redis
 from stability import keys
 from stability.worker.advice import AdviceSink
 from stability.worker.app import app, settings
-from stability.worker.drain import Drainer
+from stability.worker.drain import Drainer, SnapshotPolicy
 from stability.worker.sinks import ArchiveSink, ConsoleSink, RedisFindingsSink, ReportSink, Sink, redis_meta
 from stability.worker.wandb_sink import WandbSink, _RunState
 
@@ -83,7 +83,8 @@ def drain(run_id: str) -> str:
     """Drain ``run_id``'s streams (see :class:`~stability.worker.drain.Drainer`); return the drain's status."""
     client().delete(trigger_key(run_id))
     result = Drainer(
-        client(), run_id, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms, max_seconds=settings.drain_s
+        client(), run_id, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms, max_seconds=settings.drain_s,
+        snapshot=SnapshotPolicy(every_s=settings.snapshot_s, every_records=settings.snapshot_n),
     ).run()
     if result.processed or result.status not in ("idle", "busy"):
         logger.info(
