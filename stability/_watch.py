@@ -131,7 +131,7 @@ class Handle:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        self.close(died=None if exc is None else f"{type(exc).__name__}: {exc}"[:300])
 
 
 def default_run_id() -> str | None:

@@ -1,4 +1,4 @@
-"""The ``stability`` command: ``demo``, ``worker``, ``postmortem``, ``runs``, ``eval``.
+"""The ``stability`` command: ``demo``, ``worker``, ``postmortem``, ``runs``, ``replay``, ``eval``.
 
 Everything heavy (torch, the detectors, Celery) is imported only by the subcommand that needs it, so
 ``stability --help`` and ``stability --version`` answer at once.
@@ -76,6 +76,17 @@ def _parser() -> argparse.ArgumentParser:
                                       "run directory. Needs no worker.")
     runs.add_argument("url", help="redis://HOST:PORT/DB, rediss://... or unix:///path/redis.sock")
     runs.add_argument("--json", dest="as_json", action="store_true", help="print JSON lines instead of a table")
+
+    rp = sub.add_parser("replay", help="send a run's spool to Redis after training ended (in order)",
+                        description="Send the records a training run spooled while Redis was down "
+                                    "(<run dir>/spool) to Redis in order, mark the run's ranks ended so a worker "
+                                    "finishes it, and delete each spool file once all of it is in Redis. Without "
+                                    "--redis and STABILITY_REDIS_URL the run's embedded Redis and a local worker "
+                                    "are started again until the run is drained (findings and report written).")
+    rp.add_argument("run_dir", type=Path, help="the run directory")
+    rp.add_argument("--redis", default=None, help="target Redis URL (default: STABILITY_REDIS_URL, else embedded)")
+    rp.add_argument("--wait", type=float, default=300.0,
+                    help="embedded: seconds to wait for the worker to drain the run (default 300)")
     return parser
 
 
@@ -104,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             return _postmortem(args)
         if args.command == "runs":
             return _runs(args)
+        if args.command == "replay":
+            from stability.replay import replay
+
+            results = replay(args.run_dir, args.redis, wait_s=args.wait)
+            return 1 if any(r.refused for r in results) else 0
     except StabilityError as exc:
         print(f"stability: error: {exc}", file=sys.stderr)
         return 2

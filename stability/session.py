@@ -175,6 +175,11 @@ class Session:
                 runstate.mark(client, self.config.run_id, runstate.FINISHED, run_dir=run_dir)
         except (redis.RedisError, OSError) as exc:
             log.info("stability: could not record the end of run %s (%s)", self.config.run_id, exc)
+            if run_dir is not None:  # ``stability replay`` carries it to Redis with the spool
+                ended = runstate.RunStatus(status=runstate.DIED if died is not None else runstate.FINISHED,
+                                           reason=died or "", time=time.time(), host=socket.gethostname(),
+                                           pid=os.getpid())
+                runstate.write_status_file(run_dir, self.config.run_id, ended)
         finally:
             client.close()
 
