@@ -48,6 +48,8 @@ URL_FILE = "url"
 EXIT_DRAIN_S = 120.0
 """Default bound of the drain after the training process died (``STABILITY_EXIT_DRAIN_S``)."""
 STOP_WAIT_S = 20.0
+MAX_RESTARTS = 3
+"""A worker or redis-server that dies while the trainer runs is restarted at most this many times each."""
 
 
 class ParentWatch:
@@ -102,6 +104,7 @@ class Supervisor:
         self.server = RedisServer(run_dir / "redis", parent_death_signal=signal.SIGTERM)
         self.worker: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
+        self._restarts = {"redis-server": 0, "worker": 0}
 
     def run(self) -> int:
         """Start everything, watch the trainer, stop everything; the exit status."""
@@ -125,6 +128,7 @@ class Supervisor:
                 if self.watch.gone(0.5):
                     self._after_death()
                     break
+                self._restart_crashed()
             else:
                 log.info("stability supervisor: stop requested by the training process")
         finally:
@@ -132,6 +136,25 @@ class Supervisor:
             self.server.stop()
             self.watch.close()
         return 0
+
+    def _restart_crashed(self) -> None:
+        """Bring back a redis-server (same socket, its append-only file) or worker that died under a live trainer."""
+        if self.server.pid is None and self._restarts["redis-server"] < MAX_RESTARTS:
+            self._restarts["redis-server"] += 1
+            log.warning("stability supervisor: redis-server died; restarting it (%d/%d)",
+                        self._restarts["redis-server"], MAX_RESTARTS)
+            try:
+                self.server.start()
+            except StabilityError as exc:
+                log.error("stability supervisor: %s", exc)
+        if (self.worker is not None and self.worker.poll() is not None and self._stop.is_set() is False
+                and self._restarts["worker"] < MAX_RESTARTS):
+            self._restarts["worker"] += 1
+            log.warning("stability supervisor: the worker exited with %s; restarting it (%d/%d)",
+                        self.worker.returncode, self._restarts["worker"], MAX_RESTARTS)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.worker.pid, signal.SIGKILL)  # its beat child, if it outlived it
+            self.worker = self._start_worker()
 
     def _start_worker(self) -> subprocess.Popen[bytes]:
         env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}

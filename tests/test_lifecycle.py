@@ -216,3 +216,31 @@ def test_status_transitions(redis_server: RedisServer, redis_client: redis.Redis
     assert runstate.read_status_file(tmp_path) == died
     assert runstate.mark(redis_client, run, runstate.RUNNING).describe() == "running"
     assert runstate.mark(redis_client, run, runstate.FINISHED).describe() == "finished at step 9"
+
+
+def test_crashed_worker_and_redis_are_restarted_under_a_live_trainer(tmp_path: Path) -> None:
+    proc, run_dir, marker = _start(tmp_path)
+    try:
+        started = _started_processes(proc, marker)
+        worker = min(pid for pid, cmd in started.items() if "stability.worker" in cmd)  # the worker's main process
+        server = next(pid for pid, cmd in started.items() if "redis-server" in cmd)
+        os.killpg(worker, signal.SIGKILL)
+        os.kill(server, signal.SIGKILL)
+
+        def replaced() -> bool:
+            now = _descendants(proc.pid)
+            return (any("stability.worker" in c and p not in started for p, c in now.items())
+                    and any("redis-server" in c and p not in started for p, c in now.items()))
+
+        _wait(replaced, 120, "a new worker and redis-server")
+        later = _descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == -signal.SIGTERM
+        _wait(lambda: not any(_alive(pid) for pid in later), 240, "every process to exit")
+        assert _findings(run_dir)["steps"] >= MARK_AT
+        log = (run_dir / "worker.log").read_text()
+        assert "the worker exited with" in log and "redis-server died; restarting it" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
