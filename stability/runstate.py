@@ -3,7 +3,8 @@
 Why: a run that ends by SIGTERM (a ``timeout``, a scheduler's preemption), SIGKILL or an exception must not look
 like a run that is still going, and an operator listing runs (``stability runs``) needs to see which ones ended and
 where. The status lives in the hash :func:`stability.keys.status` (fields ``status``, ``step``, ``reason``,
-``time``, ``host``, ``pid``) and is mirrored to ``<run dir>/status.json``.
+``time``, ``host``, ``pid``); the bare status is also the field ``status`` of the run's meta hash, and the whole
+record is mirrored to ``<run dir>/status.json``.
 
 Who writes it:
 
@@ -45,13 +46,15 @@ DIED = "died"
 STATUS_FILE = "status.json"
 """Mirror of the status in the run directory."""
 
-# KEYS[1] status hash; ARGV: new status, then field/value pairs. "running" always wins (a (re)started run);
+# KEYS[1] status hash, KEYS[2] meta hash (gets the bare status too); ARGV: new status, then field/value pairs.
+# "running" always wins (a (re)started run);
 # an ended status (finished/died) is set only over "running" or nothing, so the first end that is seen stays.
 _SET = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if ARGV[1] ~= 'running' and current and current ~= 'running' then return current end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'status', ARGV[1], unpack(ARGV, 2))
+redis.call('HSET', KEYS[2], 'status', ARGV[1])
 return ARGV[1]
 """
 
@@ -123,7 +126,7 @@ def mark(client: redis.Redis[bytes], run_id: str, status: str, *, reason: str = 
     if step is not None:
         fields["step"] = str(step)
     args = [status] + [item for pair in fields.items() for item in pair]
-    client.eval(_SET, 1, keys.status(run_id), *args)
+    client.eval(_SET, 2, keys.status(run_id), keys.meta(run_id), *args)
     result = read_status(client, run_id)
     if run_dir is not None:
         write_status_file(run_dir, run_id, result)

@@ -216,6 +216,7 @@ def test_status_transitions(redis_server: RedisServer, redis_client: redis.Redis
     assert runstate.read_status_file(tmp_path) == died
     assert runstate.mark(redis_client, run, runstate.RUNNING).describe() == "running"
     assert runstate.mark(redis_client, run, runstate.FINISHED).describe() == "finished at step 9"
+    assert redis_client.hget(keys.meta(run), "status") == b"finished"
 
 
 def test_crashed_worker_and_redis_are_restarted_under_a_live_trainer(tmp_path: Path) -> None:

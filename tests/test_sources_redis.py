@@ -172,3 +172,16 @@ def _answers(port: int) -> bool:
     except redis.RedisError:
         return False
     return True
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://:s3cret@host:6379/0", "redis://***@host:6379/0"),
+    ("rediss://admin:s3cret@host:6380/2", "rediss://admin:***@host:6380/2"),
+    ("redis//:s3cret@host:6379/0", "<not a URL>"),  # malformed (issue 14 item 5)
+    ("unix:///tmp/redis.sock?db=0&password=s3cret", "unix:///tmp/redis.sock?db=0&password=***"),
+    ("redis://host:6379/0", "redis://host:6379/0"),
+])
+def test_redact(url: str, shown: str) -> None:
+    from stability.redis_source import redact
+
+    assert redact(url) == shown
