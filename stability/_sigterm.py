@@ -25,6 +25,9 @@ __all__ = ["install"]
 log = logging.getLogger(__name__)
 
 _installed: Callable[[int, FrameType | None], None] | None = None
+FLUSH_S = 20.0
+"""Upper bound of the flush: it runs on a helper thread that the handler joins with this timeout, so a lock held by
+the interrupted main thread (the handler runs on it) can delay the exit, never prevent it."""
 
 
 def install(on_term: Callable[[str], None]) -> bool:
@@ -42,11 +45,17 @@ def install(on_term: Callable[[str], None]) -> bool:
     if current is not signal.SIG_DFL:
         return False
 
-    def handler(signum: int, frame: FrameType | None) -> None:
+    def flush() -> None:
         try:
             on_term("SIGTERM")
         except Exception as exc:  # never keep the process alive because the flush failed
             log.warning("stability: flush on SIGTERM failed (%s: %s)", type(exc).__name__, exc)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        try:
+            helper = threading.Thread(target=flush, name="stability-sigterm", daemon=True)
+            helper.start()
+            helper.join(FLUSH_S)
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)

@@ -245,3 +245,24 @@ def test_crashed_worker_and_redis_are_restarted_under_a_live_trainer(tmp_path: P
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigterm_flush_blocked_by_the_main_threads_lock_still_terminates(tmp_path: Path) -> None:
+    """The handler runs on the main thread; a flush waiting for a lock that thread holds must not hang the exit."""
+    script = tmp_path / "locked.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, threading
+        from stability import _sigterm
+
+        _sigterm.FLUSH_S = 1.0
+        lock = threading.Lock()
+        flushed = []
+        assert _sigterm.install(lambda reason: (lock.acquire(), flushed.append(reason)))
+        with lock:  # the flush cannot get it while the handler runs here
+            os.kill(os.getpid(), signal.SIGTERM)
+            while True:
+                signal.pause()
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
