@@ -102,11 +102,13 @@ class Session:
         supervisor = None
         if config.redis_url is not None:
             url = config.redis_url
+            if local_rank == 0:
+                supervisor = _start_watchdog(config, run_dir)
         elif local_rank == 0:
             supervisor, url = _start_supervisor(config, run_dir)
         else:
             url = _wait_for_url(run_dir / "redis" / URL_FILE)
-        local_worker = supervisor is not None and config.local_worker
+        local_worker = supervisor is not None and config.local_worker and config.redis_url is None
         meta = _run_meta(config, run_dir)
         if rank == 0:
             _write_run_json(run_dir, config, meta, world)
@@ -391,6 +393,23 @@ def _start_supervisor(config: WatchConfig, run_dir: Path) -> tuple[subprocess.Po
     except BaseException:
         _stop_process(proc, 5.0, group=False)
         raise
+
+
+def _start_watchdog(config: WatchConfig, run_dir: Path) -> subprocess.Popen[bytes] | None:
+    """With an external Redis: the supervisor in watch-only mode, which records the run as died and its ranks ended
+    if this process vanishes (the remote workers then finish the run). None if it cannot be started."""
+    assert config.redis_url is not None
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    env["STABILITY_WATCH_URL"] = config.redis_url
+    cmd = [sys.executable, "-m", "stability.supervisor", "--run-dir", str(run_dir), "--run-id", config.run_id,
+           "--watch-pid", str(os.getpid()), "--external"]
+    try:
+        with open(run_dir / "supervisor.log", "ab") as logfile:
+            return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    except OSError as exc:
+        log.info("stability: no watchdog for run %s (%s)", config.run_id, exc)
+        return None
 
 
 def _record_status(url: str, run_id: str, status: str, *, run_dir: Path | None) -> None:

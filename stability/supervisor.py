@@ -17,6 +17,10 @@ it started, and redis-server cannot watch its parent. So local rank 0 starts ``p
      report.html from what reached Redis), wait for that (``STABILITY_EXIT_DRAIN_S``, default 120 s), then stop
      the worker and redis-server.
 
+With an external Redis (``--external``; the URL comes in the environment variable ``STABILITY_WATCH_URL``, so no
+password shows in ``ps``) it only watches: a vanished trainer is recorded as
+died and its run's ranks are marked ended, so the remote workers finish the run instead of waiting for it forever.
+
 Imports only the standard library, redis and stability's training-side modules (never Celery: the worker is a
 separate process).
 """
@@ -95,13 +99,15 @@ def _alive(pid: int) -> bool:
 class Supervisor:
     """See the module docstring; :meth:`run` is the whole life of the process."""
 
-    def __init__(self, *, run_dir: Path, run_id: str, watch_pid: int, worker: bool, exit_drain_s: float) -> None:
+    def __init__(self, *, run_dir: Path, run_id: str, watch_pid: int, worker: bool, exit_drain_s: float,
+                 redis_url: str | None = None) -> None:
         self.run_dir = run_dir
         self.run_id = run_id
         self.watch = ParentWatch(watch_pid)
-        self.want_worker = worker
+        self.want_worker = worker and redis_url is None
         self.exit_drain_s = exit_drain_s
-        self.server = RedisServer(run_dir / "redis", parent_death_signal=signal.SIGTERM)
+        self.server = RedisServer(run_dir / "redis", parent_death_signal=signal.SIGTERM) if redis_url is None else None
+        self.url = redis_url if redis_url is not None else self.server.url  # type: ignore[union-attr]
         self.worker: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
         self._restarts = {"redis-server": 0, "worker": 0}
@@ -114,16 +120,19 @@ class Supervisor:
             log.warning("stability supervisor: training process %d is already gone", self.watch.pid)
             return 1
         try:
-            self.server.start()
+            if self.server is not None:
+                self.server.start()
         except StabilityError as exc:
             log.error("stability supervisor: %s", exc)
             return 1
         try:
-            _publish(self.run_dir / "redis" / URL_FILE, self.server.url)
+            if self.server is not None:
+                _publish(self.run_dir / "redis" / URL_FILE, self.server.url)
             if self.want_worker:
                 self.worker = self._start_worker()
             log.info("stability supervisor: redis-server pid %s, worker pid %s, watching training pid %d",
-                     self.server.pid, self.worker.pid if self.worker else None, self.watch.pid)
+                     self.server.pid if self.server else "(external)", self.worker.pid if self.worker else None,
+                     self.watch.pid)
             while not self._stop.is_set():
                 if self.watch.gone(0.5):
                     self._after_death()
@@ -133,13 +142,14 @@ class Supervisor:
                 log.info("stability supervisor: stop requested by the training process")
         finally:
             self._stop_worker()
-            self.server.stop()
+            if self.server is not None:
+                self.server.stop()
             self.watch.close()
         return 0
 
     def _restart_crashed(self) -> None:
         """Bring back a redis-server (same socket, its append-only file) or worker that died under a live trainer."""
-        if self.server.pid is None and self._restarts["redis-server"] < MAX_RESTARTS:
+        if self.server is not None and self.server.pid is None and self._restarts["redis-server"] < MAX_RESTARTS:
             self._restarts["redis-server"] += 1
             log.warning("stability supervisor: redis-server died; restarting it (%d/%d)",
                         self._restarts["redis-server"], MAX_RESTARTS)
@@ -158,7 +168,7 @@ class Supervisor:
 
     def _start_worker(self) -> subprocess.Popen[bytes]:
         env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-        env["STABILITY_REDIS_URL"] = self.server.url
+        env["STABILITY_REDIS_URL"] = self.url
         env.setdefault("STABILITY_SWEEP_S", "0.5")
         env.setdefault("OMP_NUM_THREADS", "1")
         return subprocess.Popen(
@@ -171,7 +181,7 @@ class Supervisor:
         """The training process vanished without a clean close: record it, let the worker finish the run."""
         import redis
 
-        client = redis.Redis.from_url(self.server.url, socket_timeout=5)
+        client = redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=5)
         try:
             status = runstate.mark(client, self.run_id, runstate.DIED, reason="vanished without a clean close",
                                    run_dir=self.run_dir)
@@ -223,13 +233,19 @@ def _publish(path: Path, url: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m stability.supervisor --run-dir D --run-id R --watch-pid P [--no-worker]``."""
+    """``python -m stability.supervisor --run-dir D --run-id R --watch-pid P [--no-worker | --external]``."""
     parser = argparse.ArgumentParser(prog="python -m stability.supervisor", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--watch-pid", type=int, required=True, help="the training process")
     parser.add_argument("--no-worker", action="store_true", help="do not start a local worker")
+    parser.add_argument("--external", action="store_true",
+                        help="watch only: the run's records are in the Redis named by $STABILITY_WATCH_URL (kept out "
+                             "of the command line: it may hold a password); start no server or worker")
     args = parser.parse_args(argv)
+    redis_url = os.environ.get("STABILITY_WATCH_URL") if args.external else None
+    if args.external and not redis_url:
+        parser.error("--external needs STABILITY_WATCH_URL")
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s/supervisor] %(message)s")
     raw = os.environ.get("STABILITY_EXIT_DRAIN_S", "")
     try:
@@ -238,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("STABILITY_EXIT_DRAIN_S=%r is not a number; using %.0f", raw, EXIT_DRAIN_S)
         exit_drain_s = EXIT_DRAIN_S
     return Supervisor(run_dir=args.run_dir.resolve(), run_id=args.run_id, watch_pid=args.watch_pid,
-                      worker=not args.no_worker, exit_drain_s=exit_drain_s).run()
+                      worker=not args.no_worker, exit_drain_s=exit_drain_s, redis_url=redis_url).run()
 
 
 if __name__ == "__main__":

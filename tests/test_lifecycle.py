@@ -266,3 +266,34 @@ def test_sigterm_flush_blocked_by_the_main_threads_lock_still_terminates(tmp_pat
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGTERM, proc.stderr
+
+
+def test_external_redis_run_killed_is_recorded_died_and_ended(
+    redis_server: RedisServer, redis_client: redis.Redis[bytes], tmp_path: Path
+) -> None:
+    """With STABILITY_REDIS_URL the watchdog (supervisor in watch-only mode) is all that is started locally; when the
+    trainer vanishes it marks the run died and its ranks ended, so remote workers can finish it."""
+    proc, _run_dir, marker = _start(tmp_path, STABILITY_REDIS_URL=redis_server.url)
+    try:
+        _wait(lambda: marker.exists() or proc.poll() is not None, 240, "the marker step")
+        watchdogs: dict[int, str] = {}
+
+        def found() -> bool:
+            watchdogs.update({p: c for p, c in _descendants(proc.pid).items() if "stability.supervisor" in c})
+            return bool(watchdogs)
+
+        _wait(found, 60, "the watchdog")
+        assert all("--external" in cmd and redis_server.url not in cmd for cmd in watchdogs.values())
+        assert not any("redis-server" in c or "stability.worker" in c for c in _descendants(proc.pid).values())
+        assert runstate.read_status(redis_client, "lifecycle-run").status == runstate.RUNNING
+        proc.kill()
+        proc.wait(60)
+        _wait(lambda: not any(_alive(pid) for pid in watchdogs), 120, "the watchdog to exit")
+        status = runstate.read_status(redis_client, "lifecycle-run")
+        assert (status.status, status.reason) == ("died", "vanished without a clean close")
+        assert status.step is not None and status.step >= MARK_AT
+        assert redis_client.hexists(keys.meta("lifecycle-run"), "ended:0")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
