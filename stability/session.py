@@ -2,7 +2,9 @@
 
 ``Session.open(config)`` decides where records go:
 
-* ``redis_url`` set (``STABILITY_REDIS_URL``): that server; workers run elsewhere (``stability worker``).
+* ``redis_url`` set (``STABILITY_REDIS_URL``): that server; workers run elsewhere (``stability worker``). Local
+  rank 0 starts the supervisor in watch-only mode: if this process vanishes, the run is recorded as died and its
+  ranks are marked ended, so the remote workers finish it.
 * otherwise: an **embedded** real redis-server in ``<run_dir>/redis`` (append-only persistence, unix socket)
   plus one local worker process (``python -m stability.worker``), both owned by a small supervisor process that
   local rank 0 starts (:mod:`stability.supervisor`): it stops them when the training process closes the session,
