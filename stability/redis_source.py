@@ -26,6 +26,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from stability import keys, runstate
 from stability.errors import RecordError, SourceError
@@ -73,7 +75,8 @@ def connect(url: str, *, timeout: float = 5.0) -> redis.Redis[bytes]:
     try:
         urlsplit(target)
         client: redis.Redis[bytes] = redis.Redis.from_url(target, socket_timeout=timeout,
-                                                          socket_connect_timeout=timeout)
+                                                          socket_connect_timeout=timeout,
+                                                          retry=Retry(ExponentialBackoff(cap=1.0), 2))
     except ValueError as exc:
         raise SourceError(f"{redact(url)}: not a valid Redis URL ({_scrub(str(exc), url)})") from None
     try:

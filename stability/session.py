@@ -166,7 +166,7 @@ class Session:
         """``died`` (with the reason), or ``finished`` once every rank with a stream has ended cleanly."""
         import redis
 
-        client = redis.Redis.from_url(_client_url(self.redis_url), socket_timeout=2.0, socket_connect_timeout=2.0)
+        client = _quick_client(self.redis_url, 2.0)
         run_dir = self.run_dir if self.supervisor is not None or self.rank == 0 else None
         try:
             if died is not None:
@@ -180,10 +180,10 @@ class Session:
         except (redis.RedisError, OSError) as exc:
             log.info("stability: could not record the end of run %s (%s)", self.config.run_id, exc)
             if run_dir is not None:  # ``stability replay`` carries it to Redis with the spool
-                ended = runstate.RunStatus(status=runstate.DIED if died is not None else runstate.FINISHED,
-                                           reason=died or "", time=time.time(), host=socket.gethostname(),
-                                           pid=os.getpid())
-                runstate.write_status_file(run_dir, self.config.run_id, ended)
+                local_end = runstate.RunStatus(status=runstate.DIED if died is not None else runstate.FINISHED,
+                                               reason=died or "", time=time.time(), host=socket.gethostname(),
+                                               pid=os.getpid())
+                runstate.write_status_file(run_dir, self.config.run_id, local_end)
         finally:
             client.close()
 
@@ -419,10 +419,20 @@ def _record_status(url: str, run_id: str, status: str, *, run_dir: Path | None) 
     import redis
 
     try:
-        with redis.Redis.from_url(_client_url(url), socket_timeout=1.0, socket_connect_timeout=1.0) as client:
+        with _quick_client(url, 1.0) as client:
             runstate.mark(client, run_id, status, run_dir=run_dir)
     except (redis.RedisError, OSError) as exc:
         log.info("stability: could not record run %s as %s (%s)", run_id, status, exc)
+
+
+def _quick_client(url: str, timeout: float) -> Any:
+    """A redis-py client that gives up after one try (the status is a label: never hold up training for it)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(_client_url(url), socket_timeout=timeout, socket_connect_timeout=timeout,
+                                retry=Retry(NoBackoff(), 0))
 
 
 def _client_url(url: str) -> str:
