@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stability import _sigterm
 from stability.config import WatchConfig
 from stability.hooks import frameworks
 from stability.hooks.capture import Capture
@@ -94,8 +95,13 @@ class Handle:
         if src is not None:
             src.emitter.flush(timeout)
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Detach all hooks, flush every record, and stop the embedded Redis and local worker if we own them."""
+    def close(self, timeout: float = 60.0, *, died: str | None = None) -> None:
+        """Detach all hooks, flush every record, and stop the embedded Redis and local worker if we own them.
+
+        ``died``: the process is ending abnormally (e.g. ``"ValueError: ..."`` of an uncaught exception); the run
+        is then recorded as died at its last step instead of finished.
+        """
+        _sigterm.uninstall()
         capture, self.capture = self.capture, None
         session, self._session = self._session, None
         if capture is not None:
@@ -103,8 +109,21 @@ class Handle:
                 frameworks.uninstall()
             capture.close(timeout=min(timeout, 10.0))
         if session is not None:
-            closed = session.close(timeout=timeout)
+            closed = session.close(timeout=timeout, died=died)
             self._closed_session = closed if isinstance(session, LazySession) else session
+
+    def terminate(self, reason: str, timeout: float = 5.0) -> None:
+        """The process is being killed: hand the captured steps to the transport, flush it, record the run as died.
+
+        Bounded (about ``3 * timeout``) and without waiting for the diagnosis: the local supervisor lets the worker
+        finish the run once this process is gone. Called by the SIGTERM handler (:mod:`stability._sigterm`).
+        """
+        capture, self.capture = self.capture, None
+        session, self._session = self._session, None
+        if capture is not None:
+            capture.close(timeout=timeout)
+        if session is not None:
+            session.terminate(reason, timeout=timeout)
 
     def __enter__(self) -> Handle:
         return self
@@ -112,7 +131,7 @@ class Handle:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        self.close(died=None if exc is None else f"{type(exc).__name__}: {exc}"[:300])
 
 
 def default_run_id() -> str | None:
@@ -143,7 +162,9 @@ def watch(
         **config: :class:`~stability.config.WatchConfig` fields; they override ``STABILITY_*`` variables.
 
     Returns:
-        A :class:`Handle`; ``close()`` it (or use ``with``) to flush everything.
+        A :class:`Handle`; ``close()`` it (or use ``with``) to flush everything. When called from the main thread of
+        a process with no SIGTERM handler, a SIGTERM flushes the records and records the run as died before the
+        process terminates as it would have (see :mod:`stability._sigterm`).
     """
     if "run_id" not in config and "STABILITY_RUN_ID" not in os.environ:
         shared = default_run_id()
@@ -173,4 +194,5 @@ def watch(
     except Exception:
         session.close()
         raise
+    _sigterm.install(handle.terminate)
     return handle

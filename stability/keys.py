@@ -12,8 +12,11 @@ Per run ``R`` (all keys share the ``stability:{R}`` hash tag, so a Redis Cluster
 * ``stability:{R}:findings:seen`` set of finding keys ``rank:kind:step`` already published (dedupe on reprocessing)
 * ``stability:{R}:trigger``      marker: a drain task for the run is already queued
 * ``stability:{R}:advice``       JSON: the worker's latest advice (rollback step, batches to skip), read by the guard
+* ``stability:{R}:status``       hash: the run's lifecycle status (``status`` running / finished / died, ``step``,
+  ``reason``, ``time``, ``host``, ``pid``), see :mod:`stability.runstate`
 
-Global: ``stability:runs`` (set of active run ids).
+Global: ``stability:runs`` (set of active run ids). Runs no longer active are found by their meta hash
+(``SCAN MATCH`` :data:`META_PATTERN`).
 """
 
 from __future__ import annotations
@@ -76,3 +79,21 @@ def trigger(run_id: str) -> str:
 def advice(run_id: str) -> str:
     """The worker's latest advice for the run (JSON), polled by the training side's guard."""
     return f"{_run(run_id)}:advice"
+
+
+def status(run_id: str) -> str:
+    """Hash of the run's lifecycle status (running / finished / died at a step), see :mod:`stability.runstate`."""
+    return f"{_run(run_id)}:status"
+
+
+META_PATTERN = f"{PREFIX}:{{*}}:meta"
+"""``SCAN MATCH`` pattern of every run's meta hash (listing runs that are no longer in :data:`RUNS`)."""
+
+
+def run_of_meta(key: str | bytes) -> str | None:
+    """The run id of a meta hash key (``stability:{R}:meta`` -> ``R``); None for any other key."""
+    text = key.decode() if isinstance(key, bytes) else key
+    head, tail = f"{PREFIX}:{{", "}:meta"
+    if text.startswith(head) and text.endswith(tail) and len(text) > len(head) + len(tail):
+        return text[len(head) : -len(tail)]
+    return None

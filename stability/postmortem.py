@@ -11,6 +11,8 @@ Sources:
   signal = the log interval, read as the smallest step gap of its rank. The default (``None``, CLI ``auto``)
   assumes it for files with Megatron's log-line fields (``consumed_samples`` and ``skipped_iters`` columns) and
   nowhere else; a ``loss_steps`` column always wins. The detectors read it (``detectors/spike.py``).
+* a Redis URL (``redis://``, ``rediss://``, ``unix://``) and a run id (:func:`run_redis`,
+  :mod:`stability.redis_source`): the run's streams plus its archive directory, named by the run metadata.
 * a run directory (:func:`load_run_dir`): the worker's archive ``archive/`` (Parquet segments and, for a live or
   crashed run, the crash-readable tails; a damaged file is skipped, named in a warning and in the result's
   ``meta["damaged_files"]``) plus any spool files
@@ -53,6 +55,7 @@ __all__ = [
     "load_run_dir",
     "load_run_meta",
     "run",
+    "run_redis",
     "write_outputs",
 ]
 
@@ -447,16 +450,42 @@ def _write_text(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def run_redis(url: str, run_id: str | None = None, *, out_dir: str | Path | None = None,
+              json_out: str | Path | None = None, html_out: str | Path | None = None
+              ) -> tuple[PostmortemResult, Path, Path]:
+    """Analyse run ``run_id`` (None: the only run there) of the Redis at ``url``: its streams plus its archive,
+    de-duplicated by (rank, step). Writes ``<run id>.findings.json`` / ``<run id>.report.html`` into ``out_dir``
+    (default: the current directory) unless ``json_out`` / ``html_out`` say otherwise; returns the result and the
+    two paths.
+
+    Raises:
+        SourceError: unreachable Redis, unknown run, or no records (one line, password redacted).
+    """
+    from stability import redis_source
+
+    rid, records, meta = redis_source.load_run(url, run_id)
+    base = Path(out_dir) if out_dir is not None else Path(".")
+    json_path = Path(json_out) if json_out is not None else base / f"{rid}.findings.json"
+    html_path = Path(html_out) if html_out is not None else base / f"{rid}.report.html"
+    result = analyze(records, rid, meta=meta)
+    write_outputs(result, records, json_out=json_path, html_out=html_path)
+    return result, json_path, html_path
+
+
 def run(source: str | Path, json_out: str | Path | None = None, html_out: str | Path | None = None, *,
         run_id: str | None = None, loss_averaged: bool | None = None) -> PostmortemResult:
-    """Load ``source`` (CSV file or run directory), analyse it and write the requested reports.
+    """Load ``source`` (CSV file, run directory or Redis URL), analyse it and write the requested reports.
 
-    ``run_id`` overrides the run id (default: the records' own, or the CSV file name); ``loss_averaged`` is
-    passed to :func:`load_csv`.
+    ``run_id`` overrides the run id (default: the records' own, or the CSV file name); for a Redis URL it names the
+    run to load (see :func:`run_redis`); ``loss_averaged`` is passed to :func:`load_csv`.
 
     Raises:
         SourceError: the source cannot be read or holds no records.
     """
+    from stability.redis_source import is_redis_url
+
+    if isinstance(source, str) and is_redis_url(source):
+        return run_redis(source, run_id, json_out=json_out, html_out=html_out)[0]
     source = Path(source)
     damaged: list[str] = []
     if source.is_dir():

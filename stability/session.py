@@ -2,10 +2,19 @@
 
 ``Session.open(config)`` decides where records go:
 
-* ``redis_url`` set (``STABILITY_REDIS_URL``): that server; workers run elsewhere (``stability worker``).
-* otherwise: an **embedded** real redis-server in ``<run_dir>/redis`` (append-only persistence, unix socket),
-  started by local rank 0, plus one local worker process (``python -m stability.worker``) that lives and dies
-  with the training process. Other local ranks wait for ``<run_dir>/redis/url`` and connect to the same server.
+* ``redis_url`` set (``STABILITY_REDIS_URL``): that server; workers run elsewhere (``stability worker``). Local
+  rank 0 starts the supervisor in watch-only mode: if this process vanishes, the run is recorded as died and its
+  ranks are marked ended, so the remote workers finish it.
+* otherwise: an **embedded** real redis-server in ``<run_dir>/redis`` (append-only persistence, unix socket)
+  plus one local worker process (``python -m stability.worker``), both owned by a small supervisor process that
+  local rank 0 starts (:mod:`stability.supervisor`): it stops them when the training process closes the session,
+  and also when the training process vanishes (SIGKILL, a signal with no handler), after the worker has finished
+  the run from what reached Redis. Other local ranks wait for ``<run_dir>/redis/url`` and connect to the same
+  server.
+
+The run's status (:mod:`stability.runstate`) is ``running`` from :meth:`Session.open`, ``finished`` when the last
+rank closes cleanly, ``died`` at the last step when :meth:`Session.terminate` runs (SIGTERM handler, see
+:mod:`stability._sigterm`) or :meth:`Session.close` is told the process is dying of an exception.
 
 Local rank 0 also starts a :class:`~stability.console.ConsoleReporter` (unless ``quiet``): the start line, the
 run's alerts as the worker decides them, and a summary line at :meth:`Session.close`. Global rank 0 writes the run
@@ -34,11 +43,11 @@ import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
-from stability import keys
+from stability import keys, runstate
 from stability.config import WatchConfig
 from stability.console import ConsoleReporter
-from stability.embedded import RedisServer
 from stability.errors import EmbeddedServerError
 from stability.records import StepRecord
 from stability.transport import Emitter
@@ -49,6 +58,8 @@ log = logging.getLogger(__name__)
 
 URL_FILE = "url"
 DRAIN_WAIT_S = 60.0
+SUPERVISOR_STOP_S = 45.0
+"""How long :meth:`Session.close` waits for the supervisor to stop the worker and redis-server."""
 
 
 def rank_from_env() -> tuple[int, int, int]:
@@ -79,8 +90,9 @@ class Session:
     redis_url: str
     emitter: Emitter
     rank: int
-    server: RedisServer | None = None
-    worker: subprocess.Popen[bytes] | None = None
+    supervisor: subprocess.Popen[bytes] | None = None
+    """The local supervisor owning the embedded redis-server and local worker (local rank 0 only)."""
+    local_worker: bool = False
     reporter: ConsoleReporter | None = None
 
     @classmethod
@@ -89,24 +101,24 @@ class Session:
         rank, local_rank, world = rank_from_env()
         run_dir = config.resolved_run_dir.resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
-        server = worker = None
+        supervisor = None
         if config.redis_url is not None:
             url = config.redis_url
+            if local_rank == 0:
+                supervisor = _start_watchdog(config, run_dir)
         elif local_rank == 0:
-            server = RedisServer(run_dir / "redis").start()
-            url = server.url
-            (run_dir / "redis" / URL_FILE).write_text(url)
-            if config.local_worker:
-                worker = _start_worker(server, run_dir)
+            supervisor, url = _start_supervisor(config, run_dir)
         else:
             url = _wait_for_url(run_dir / "redis" / URL_FILE)
+        local_worker = supervisor is not None and config.local_worker and config.redis_url is None
         meta = _run_meta(config, run_dir)
         if rank == 0:
             _write_run_json(run_dir, config, meta, world)
+        _record_status(url, config.run_id, runstate.RUNNING, run_dir=run_dir if local_rank == 0 else None)
         reporter = None
         if local_rank == 0 and not config.quiet:
             reporter = ConsoleReporter(url, config.run_id, run_dir, start_line(config, run_dir, url, meta,
-                                                                               local_worker=worker is not None))
+                                                                               local_worker=local_worker))
             reporter.start()
         emitter = Emitter(
             redis_url=url,
@@ -118,26 +130,62 @@ class Session:
             meta=meta,
         )
         log.info("stability: run %s, rank %d, records -> %s, run dir %s", config.run_id, rank, url, run_dir)
-        return cls(config=config, run_dir=run_dir, redis_url=url, emitter=emitter, rank=rank, server=server,
-                   worker=worker, reporter=reporter)
+        return cls(config=config, run_dir=run_dir, redis_url=url, emitter=emitter, rank=rank, supervisor=supervisor,
+                   local_worker=local_worker, reporter=reporter)
 
-    def close(self, timeout: float = DRAIN_WAIT_S) -> None:
-        """Flush the emitter; with an embedded Redis wait for the local worker to drain (it writes the findings and
-        the report), print the summary line, then stop the worker and the server."""
+    def close(self, timeout: float = DRAIN_WAIT_S, *, died: str | None = None) -> None:
+        """Flush the emitter and record the run's end (``died`` names why the process is dying, e.g. the uncaught
+        exception; None: a clean end); with an embedded Redis wait for the local worker to drain (it writes the
+        findings and the report), print the summary line, then stop the worker and the server."""
         self.emitter.close(timeout=min(timeout, 30.0))
+        self._record_end(died)
         drained = False
-        if self.server is not None and self.worker is not None:
+        if self.supervisor is not None and self.local_worker:
             drained = self._wait_drained(timeout)
         if self.reporter is not None:
             self.reporter.stop(drained=drained)
             self.reporter = None
-        if self.server is None:
-            return
-        if self.worker is not None:
-            _stop_process(self.worker)
-            self.worker = None
-        self.server.stop()
-        self.server = None
+        if self.supervisor is not None:
+            _stop_process(self.supervisor, SUPERVISOR_STOP_S, group=False)
+            self.supervisor = None
+
+    def terminate(self, reason: str, timeout: float = 10.0) -> None:
+        """The process is being killed (SIGTERM): flush what is queued, record the run as died, and return fast.
+
+        The embedded redis-server and worker are left to the supervisor, which sees this process go, lets the
+        worker finish the run (findings and report of what was recorded) and then stops them.
+        """
+        self.emitter.close(timeout=timeout)
+        self._record_end(reason)
+        if self.reporter is not None:
+            with contextlib.suppress(Exception):
+                self.reporter.stop(drained=False)
+            self.reporter = None
+
+    def _record_end(self, died: str | None) -> None:
+        """``died`` (with the reason), or ``finished`` once every rank with a stream has ended cleanly."""
+        import redis
+
+        client = _quick_client(self.redis_url, 2.0)
+        run_dir = self.run_dir if self.supervisor is not None or self.rank == 0 else None
+        try:
+            if died is not None:
+                runstate.mark(client, self.config.run_id, runstate.DIED, reason=died, run_dir=run_dir)
+                return
+            ranks: Any = client.smembers(keys.ranks(self.config.run_id))
+            fields = [f"ended:{int(r)}" for r in ranks]
+            ended: Any = client.hmget(keys.meta(self.config.run_id), fields) if fields else []
+            if all(ended):
+                runstate.mark(client, self.config.run_id, runstate.FINISHED, run_dir=run_dir)
+        except (redis.RedisError, OSError) as exc:
+            log.info("stability: could not record the end of run %s (%s)", self.config.run_id, exc)
+            if run_dir is not None:  # ``stability replay`` carries it to Redis with the spool
+                local_end = runstate.RunStatus(status=runstate.DIED if died is not None else runstate.FINISHED,
+                                               reason=died or "", time=time.time(), host=socket.gethostname(),
+                                               pid=os.getpid())
+                runstate.write_status_file(run_dir, self.config.run_id, local_end)
+        finally:
+            client.close()
 
     def _wait_drained(self, timeout: float) -> bool:
         import redis
@@ -146,8 +194,8 @@ class Session:
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2.0)
         try:
             while time.monotonic() < deadline:
-                if self.worker is not None and self.worker.poll() is not None:
-                    log.warning("stability: local worker exited with code %s", self.worker.returncode)
+                if self.supervisor is not None and self.supervisor.poll() is not None:
+                    log.warning("stability: local supervisor exited with code %s", self.supervisor.returncode)
                     return False
                 if client.hexists(keys.meta(self.config.run_id), "drained"):
                     return True
@@ -236,7 +284,7 @@ class LazySession:
                 session.emitter.put(self._buffer.popleft())
             self._session = session
 
-    def close(self, timeout: float = DRAIN_WAIT_S) -> Session | None:
+    def close(self, timeout: float = DRAIN_WAIT_S, *, died: str | None = None) -> Session | None:
         """Close the session if it was started (waiting for it to open first); the closed session or None."""
         with self._lock:
             self._closed = True
@@ -246,8 +294,19 @@ class LazySession:
         thread.join(timeout)
         session = self._session
         if session is not None:
-            session.close(timeout=timeout)
+            session.close(timeout=timeout, died=died)
         return session
+
+    def terminate(self, reason: str, timeout: float = 10.0) -> None:
+        """See :meth:`Session.terminate`; waits up to ``timeout`` for a session that is still opening."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        if thread is None:
+            return
+        thread.join(timeout)
+        if self._session is not None:
+            self._session.terminate(reason, timeout=timeout)
 
 
 def start_line(config: WatchConfig, run_dir: Path, url: str, meta: dict[str, str], *, local_worker: bool) -> str:
@@ -312,33 +371,88 @@ def _run_meta(config: WatchConfig, run_dir: Path) -> dict[str, str]:
     return meta
 
 
-def _start_worker(server: RedisServer, run_dir: Path) -> subprocess.Popen[bytes]:
+def _start_supervisor(config: WatchConfig, run_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``python -m stability.supervisor`` for this process and wait for the URL of its redis-server."""
+    url_file = run_dir / "redis" / URL_FILE
+    url_file.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        url_file.unlink()  # a stale URL of an earlier run in this directory
+    cmd = [sys.executable, "-m", "stability.supervisor", "--run-dir", str(run_dir), "--run-id", config.run_id,
+           "--watch-pid", str(os.getpid())]
+    if not config.local_worker:
+        cmd.append("--no-worker")
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    env["STABILITY_REDIS_URL"] = server.url
-    env.setdefault("STABILITY_SWEEP_S", "0.5")
-    env.setdefault("OMP_NUM_THREADS", "1")
     logfile = open(run_dir / "worker.log", "ab")
     try:
-        return subprocess.Popen(
-            [sys.executable, "-m", "stability.worker", "--loglevel", "INFO"],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=logfile,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     except OSError as exc:
-        raise EmbeddedServerError(f"cannot start the local worker: {exc}") from None
+        raise EmbeddedServerError(f"cannot start the local supervisor: {exc}") from None
     finally:
         logfile.close()
+    try:
+        return proc, _wait_for_url(url_file, process=proc, log_file=run_dir / "worker.log")
+    except BaseException:
+        _stop_process(proc, 5.0, group=False)
+        raise
 
 
-def _wait_for_url(path: Path, timeout: float = 60.0) -> str:
-    """The URL local rank 0 published, once that server answers (a stale file from an earlier run does not)."""
+def _start_watchdog(config: WatchConfig, run_dir: Path) -> subprocess.Popen[bytes] | None:
+    """With an external Redis: the supervisor in watch-only mode, which records the run as died and its ranks ended
+    if this process vanishes (the remote workers then finish the run). None if it cannot be started."""
+    assert config.redis_url is not None
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    env["STABILITY_WATCH_URL"] = config.redis_url
+    cmd = [sys.executable, "-m", "stability.supervisor", "--run-dir", str(run_dir), "--run-id", config.run_id,
+           "--watch-pid", str(os.getpid()), "--external"]
+    try:
+        with open(run_dir / "supervisor.log", "ab") as logfile:
+            return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    except OSError as exc:
+        log.info("stability: no watchdog for run %s (%s)", config.run_id, exc)
+        return None
+
+
+def _record_status(url: str, run_id: str, status: str, *, run_dir: Path | None) -> None:
+    """Best effort: Redis may be down (the emitter spools meanwhile); the status is only a label."""
+    import redis
+
+    try:
+        with _quick_client(url, 1.0) as client:
+            runstate.mark(client, run_id, status, run_dir=run_dir)
+    except (redis.RedisError, OSError) as exc:
+        log.info("stability: could not record run %s as %s (%s)", run_id, status, exc)
+
+
+def _quick_client(url: str, timeout: float) -> Any:
+    """A redis-py client that gives up after one try (the status is a label: never hold up training for it)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(_client_url(url), socket_timeout=timeout, socket_connect_timeout=timeout,
+                                retry=Retry(NoBackoff(), 0))
+
+
+def _client_url(url: str) -> str:
+    prefix = "redis+socket://"
+    return "unix://" + url[len(prefix):] if url.startswith(prefix) else url
+
+
+def _wait_for_url(path: Path, timeout: float = 60.0, *, process: subprocess.Popen[bytes] | None = None,
+                  log_file: Path | None = None) -> str:
+    """The URL local rank 0 published, once that server answers (a stale file from an earlier run does not).
+
+    With ``process`` (the supervisor that publishes it), its early exit is an error at once, not after ``timeout``.
+    """
     import redis
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise EmbeddedServerError(f"the local supervisor exited with code {process.returncode} before Redis was "
+                                      f"up; see {log_file or path.parent}")
         with contextlib.suppress(FileNotFoundError):
             text = path.read_text().strip()
             if text:
@@ -352,14 +466,16 @@ def _wait_for_url(path: Path, timeout: float = 60.0) -> str:
     raise EmbeddedServerError(f"local rank 0 did not publish the embedded Redis URL in {path} within {timeout}s")
 
 
-def _stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+def _stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0, *, group: bool = True) -> None:
+    """SIGTERM ``proc`` (its process group with ``group``), SIGKILL after ``timeout``; reaps it."""
     if proc.poll() is not None:
         return
+    kill = os.killpg if group else os.kill
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+        kill(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill(proc.pid, signal.SIGKILL)
         proc.wait()
