@@ -43,6 +43,7 @@ from stability.detectors.base import Finding
 from stability.detectors.engine import RunDiagnoser
 from stability.errors import ConfigError, RecordError
 from stability.records import decode
+from stability.redis_url import RedisClient
 from stability.worker.sinks import Entry, Sink
 
 __all__ = ["CONSUMER", "DrainResult", "Drainer", "Diagnoser"]
@@ -103,7 +104,8 @@ class Drainer:
     """Drains the record streams of one run (see the module docstring).
 
     Args:
-        client: Redis client of the run's data (bytes responses, i.e. ``decode_responses=False``).
+        client: Redis client of the run's data (bytes responses, i.e. ``decode_responses=False``); a
+            ``RedisCluster`` works too: every transaction and script touches the run's hash slot only.
         run_id: The run to drain.
         sinks: Receivers of each batch's findings and records.
         batch: Entries read per rank and batch.
@@ -114,7 +116,7 @@ class Drainer:
 
     def __init__(
         self,
-        client: redis.Redis[bytes],
+        client: RedisClient,
         run_id: str,
         *,
         sinks: Sequence[Sink],
@@ -318,9 +320,11 @@ class Drainer:
 
         def ops(pipe: Any) -> None:
             pipe.hset(keys.meta(self.run_id), "drained", repr(time.time()))
-            pipe.srem(keys.RUNS, self.run_id)
 
         self._transaction(token, diag, ops)
+        # not in the transaction: keys.RUNS is global (another hash slot on a Redis Cluster); a crash here leaves a
+        # drained run in RUNS, which the next drain removes (see _drain)
+        self.client.srem(keys.RUNS, self.run_id)
         logger.info("%s: drained (%d findings at finish)", self.run_id, len(findings))
         return findings
 
