@@ -237,7 +237,7 @@ def test_a_cluster_cannot_be_the_celery_broker(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="STABILITY_BROKER_URL"):
         WorkerSettings(redis_url="redis+cluster://127.0.0.1:7000")
-    with pytest.raises(ConfigError, match="STABILITY_BROKER_URL='redis\\+cluster://.*' is a Redis Cluster"):
+    with pytest.raises(ConfigError, match=r"STABILITY_BROKER_URL='redis\+cluster://.*' is a Redis Cluster"):
         WorkerSettings(redis_url="redis+cluster://127.0.0.1:7000", broker_url="redis+cluster://127.0.0.1:7000")
     ok = WorkerSettings.from_env({"STABILITY_REDIS_URL": "redis+cluster://h:7000", "STABILITY_BROKER_URL": "unix:///s"})
     assert (ok.broker, ok.client_url) == ("redis+socket:///s", "redis+cluster://h:7000")
