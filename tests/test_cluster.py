@@ -321,15 +321,46 @@ def test_emitter_spools_until_the_cluster_is_up(cluster_binary: str, tmp_path: P
         nodes.stop()
 
 
+def train_watched(url: str, run_id: str, run_dir: Path) -> None:
+    """A real CPU training loop under ``stability.watch`` (session, console reader, emitter) with a NaN batch."""
+    import torch
+
+    import stability
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with stability.watch(run_id=run_id, run_dir=run_dir, redis_url=url, quiet=True) as handle:
+        for step in range(STEPS):
+            x = torch.randn(16, 8)
+            if step == NAN_STEP:
+                x[0, 0] = float("nan")
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == NAN_STEP:  # keep training healthy after the poisoned batch
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.nan_to_num_(0.0)
+                opt.state.clear()
+        assert handle.session is not None
+        emitter = handle.session.emitter
+    stats = emitter.stats
+    assert stats.sent == STEPS and stats.spooled == stats.dropped == stats.errors == 0, stats
+
+
 @pytest.mark.slow
 def test_worker_process_over_a_cluster_with_a_separate_broker(
     cluster: Cluster, redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    """``stability worker`` with STABILITY_REDIS_URL=redis+cluster://... and STABILITY_BROKER_URL=a plain Redis."""
+    """``stability worker`` with STABILITY_REDIS_URL=redis+cluster://... and STABILITY_BROKER_URL=a plain Redis;
+    one run from a real ``stability.watch`` training loop (archived in its run directory), one from emitters."""
     client = connect(cluster.url, socket_timeout=5)
     runs = runs_on_each_node(client, 2)
-    for run_id in runs:
-        emit_run(cluster.url, run_id, tmp_path / "spool", nan_at=NAN_STEP)
+    watched, emitted = runs
+    train_watched(cluster.url, watched, tmp_path / "run")
+    emit_run(cluster.url, emitted, tmp_path / "spool", nan_at=NAN_STEP)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "STABILITY_"))}
     env.update(STABILITY_REDIS_URL=cluster.url, STABILITY_BROKER_URL=redis_server.url, STABILITY_SWEEP_S="0.2",
                STABILITY_BATCH="50", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))  # fmt: skip
@@ -343,9 +374,11 @@ def test_worker_process_over_a_cluster_with_a_separate_broker(
                 pytest.fail(f"worker exited with {worker.returncode}:\n{log.read_text()[-4000:]}")
             return all(client.hexists(keys.meta(r), "drained") for r in runs)
 
-        _wait(f"runs drained by the worker; log:\n{log}", drained, 180, poll=0.2)
-        for run_id in runs:
-            assert ("nan", 1, NAN_STEP) in findings_of(client, run_id)
+        _wait(f"runs drained by the worker; log:\n{log}", drained, 240, poll=0.2)
+        assert ("nan", 1, NAN_STEP) in findings_of(client, emitted)
+        assert ("nan", 0, NAN_STEP) in findings_of(client, watched)
+        assert sorted((tmp_path / "run" / "archive").glob("*.parquet")), "the watched run was not archived"
+        assert (tmp_path / "run" / "findings.json").exists()
         _wait("the runs to leave keys.RUNS", lambda: not client.smembers(keys.RUNS), 30)
         broker = redis.Redis.from_url(redis_server.url)
         assert not any(k.startswith(b"stability:") for k in broker.keys("*")), "run data went to the broker"
