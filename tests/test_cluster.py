@@ -82,9 +82,10 @@ def _wait(what: str, check: Callable[[], Any], timeout: float, poll: float = 0.1
 class Cluster:
     """Three master nodes, slots 0-5460 / 5461-10921 / 10922-16383, no replicas; data in ``directory``."""
 
-    def __init__(self, directory: Path, binary: str, nodes: int = 3) -> None:
+    def __init__(self, directory: Path, binary: str, nodes: int = 3, extra: tuple[str, ...] = ()) -> None:
         self.directory = directory
         self.binary = binary
+        self.extra = extra
         self.ports = [_cluster_port() for _ in range(nodes)]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -99,14 +100,7 @@ class Cluster:
     def start(self, timeout: float = 90.0) -> Cluster:
         self.directory.mkdir(parents=True, exist_ok=True)
         for port in self.ports:
-            log = self.directory / f"node-{port}.log"
-            self.procs[port] = subprocess.Popen(
-                [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                 "--cluster-config-file", str(self.directory / f"nodes-{port}.conf"), "--dir", str(self.directory),
-                 "--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction", "--logfile", str(log)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True,
-            )  # fmt: skip
+            self._spawn(port)
         for port, proc in self.procs.items():
             _wait(f"node {port} to answer", lambda p=port, pr=proc: self._ping(p, pr), timeout)
         for index, port in enumerate(self.ports):
@@ -120,9 +114,36 @@ class Cluster:
         _wait("cluster_state:ok on every node", self._ready, timeout)
         return self
 
+    def _spawn(self, port: int) -> None:
+        """One node; its data (AOF when ``extra`` asks for it) and cluster config stay in ``directory/<port>``."""
+        data = self.directory / str(port)
+        data.mkdir(exist_ok=True)
+        self.procs[port] = subprocess.Popen(
+            [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+             "--cluster-config-file", str(data / "nodes.conf"), "--dir", str(data), "--save", "",
+             "--appendonly", "no", "--maxmemory-policy", "noeviction", "--logfile", str(self._log(port)),
+             *self.extra],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+
+    def _log(self, port: int) -> Path:
+        return self.directory / f"node-{port}.log"
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node (a crash)."""
+        proc = self.procs.pop(port)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def restart(self, port: int, timeout: float = 90.0) -> None:
+        """Start a killed node again: it rejoins with its node id and slots (from its nodes.conf)."""
+        self._spawn(port)
+        _wait(f"node {port} to answer", lambda: self._ping(port, self.procs[port]), timeout)
+        _wait("cluster_state:ok on every node", self._ready, timeout)
+
     def _ping(self, port: int, proc: subprocess.Popen[bytes]) -> bool:
         if proc.poll() is not None:
-            log = (self.directory / f"node-{port}.log").read_text(errors="replace")
+            log = self._log(port).read_text(errors="replace")
             if re.search(r"cluster|Bad directive", log, re.IGNORECASE):
                 pytest.skip(f"{self.binary} cannot run a cluster node: {log.strip().splitlines()[-1]}")
             pytest.fail(f"cluster node {port} exited with {proc.returncode}:\n{log[-2000:]}")
@@ -348,6 +369,56 @@ def train_watched(url: str, run_id: str, run_dir: Path) -> None:
         emitter = handle.session.emitter
     stats = emitter.stats
     assert stats.sent == STEPS and stats.spooled == stats.dropped == stats.errors == 0, stats
+
+
+def test_a_node_crash_spools_its_runs_only_and_loses_nothing(cluster_binary: str, tmp_path: Path) -> None:
+    """SIGKILL the node of one run mid-run: that run's emitter spools while the run on a healthy node stays live
+    (``cluster-require-full-coverage no``); the node restarts from its append-only file, the spool is replayed,
+    and both runs drain completely with the NaN injected during the outage found."""
+    nodes = Cluster(tmp_path / "crash", cluster_binary,
+                    extra=("--appendonly", "yes", "--cluster-require-full-coverage", "no"))  # fmt: skip
+    try:
+        client = connect(nodes.start().url, socket_timeout=5)
+        by_port = {}
+        for i in range(10_000):
+            by_port.setdefault(client.get_node_from_key(keys.meta(f"crash-{i}")).port, f"crash-{i}")
+        victim_port = nodes.ports[2]  # not a startup node of the URL
+        victim, healthy = by_port[victim_port], by_port[nodes.ports[0]]
+        emitters = {run_id: Emitter(redis_url=nodes.url, run_id=run_id, spool_dir=tmp_path / run_id, timeout_s=0.5)
+                    for run_id in (victim, healthy)}  # fmt: skip
+
+        def put(steps: range) -> None:
+            for run_id, emitter in emitters.items():
+                for step in steps:
+                    loss = math.nan if step == 25 else 2.0 - 0.01 * step + 0.001 * (step % 3)
+                    assert emitter.put(StepRecord(run_id=run_id, step=step, rank=0, wall_time=1e9 + step,
+                                                  signals={"loss": loss, "grad_norm": 1.0}))  # fmt: skip
+                assert emitter.flush(60)
+
+        put(range(0, 20))
+        nodes.kill(victim_port)
+        put(range(20, 40))
+        assert emitters[victim].stats.spooled > 0
+        assert emitters[healthy].stats.spooled == 0 and emitters[healthy].stats.sent == 40
+        nodes.restart(victim_port)
+        _wait("the victim's spool to be replayed",
+              lambda: emitters[victim].stats.replayed == emitters[victim].stats.spooled, 90)  # fmt: skip
+        put(range(40, 60))
+        for emitter in emitters.values():
+            emitter.close()
+            assert emitter.stats.errors == emitter.stats.dropped == 0, emitter.stats
+
+        for run_id in (victim, healthy):
+            statuses: list[str] = []
+            while not statuses or statuses[-1] != "drained":
+                statuses.append(Drainer(client, run_id, sinks=[RedisFindingsSink(client)], max_seconds=60).run().status)
+                assert len(statuses) < 10, statuses
+            steps = [int(eid.decode().split("-")[1]) for eid, _ in client.xrange(keys.records(run_id, 0))]
+            assert steps == list(range(60)), run_id
+            assert ("nan", 0, 25) in findings_of(client, run_id)
+        client.close()
+    finally:
+        nodes.stop()
 
 
 @pytest.mark.slow
