@@ -210,7 +210,7 @@ def runs_on_each_node(client: Any, count: int) -> list[str]:
 def emit_run(url: str, run_id: str, spool: Path, *, nan_at: int | None = None, spike_at: int | None = None) -> None:
     """Two ranks of one run through real emitters, closed (rank ended) at the end."""
     rng = random.Random(run_id)
-    emitters = [Emitter(redis_url=url, run_id=run_id, spool_dir=spool, rank=rank, timeout_s=2.0) for rank in (0, 1)]
+    emitters = [Emitter(redis_url=url, run_id=run_id, spool_dir=spool, rank=rank, timeout_s=5.0) for rank in (0, 1)]
     for step in range(STEPS):
         for rank, emitter in enumerate(emitters):
             loss = 3.0 * math.exp(-step / 200) + rng.gauss(0, 0.02)
@@ -298,6 +298,12 @@ def test_emitters_and_drainer_over_a_three_node_cluster(cluster: Cluster, tmp_pa
     assert not [f for f in findings_of(client, clean_run) if f[0] in ("nan", "loss_spike")]
     advice = json.loads(client.get(keys.advice(spike_run)))
     assert (advice["kind"], advice["step"]) == ("loss_spike", SPIKE_STEP)
+    from stability.hooks.guard import Guard, GuardConfig  # the training side's reader of the advice
+
+    guard = Guard(GuardConfig(run_id=spike_run, redis_url=cluster.url))
+    polled = guard.poll_now()
+    guard.close()
+    assert polled is not None and (polled.kind, polled.step) == ("loss_spike", SPIKE_STEP)
 
     # every key of a run is on one node, in one slot; the three runs are on three different nodes
     by_node = cluster.keys_by_node()
@@ -325,7 +331,7 @@ def test_emitter_spools_until_the_cluster_is_up(cluster_binary: str, tmp_path: P
     start means spooling, then a replay once it is up, as with one server."""
     nodes = Cluster(tmp_path / "late", cluster_binary)
     try:
-        emitter = Emitter(redis_url=nodes.url, run_id="late-run", spool_dir=tmp_path / "spool", timeout_s=0.5)
+        emitter = Emitter(redis_url=nodes.url, run_id="late-run", spool_dir=tmp_path / "spool", timeout_s=5.0)
         for step in range(5):
             assert emitter.put(StepRecord(run_id="late-run", step=step, rank=0, wall_time=1e9 + step,
                                           signals={"loss": 1.0}))  # fmt: skip
@@ -384,7 +390,7 @@ def test_a_node_crash_spools_its_runs_only_and_loses_nothing(cluster_binary: str
             by_port.setdefault(client.get_node_from_key(keys.meta(f"crash-{i}")).port, f"crash-{i}")
         victim_port = nodes.ports[2]  # not a startup node of the URL
         victim, healthy = by_port[victim_port], by_port[nodes.ports[0]]
-        emitters = {run_id: Emitter(redis_url=nodes.url, run_id=run_id, spool_dir=tmp_path / run_id, timeout_s=0.5)
+        emitters = {run_id: Emitter(redis_url=nodes.url, run_id=run_id, spool_dir=tmp_path / run_id, timeout_s=5.0)
                     for run_id in (victim, healthy)}  # fmt: skip
 
         def put(steps: range) -> None:
@@ -400,6 +406,12 @@ def test_a_node_crash_spools_its_runs_only_and_loses_nothing(cluster_binary: str
         put(range(20, 40))
         assert emitters[victim].stats.spooled > 0
         assert emitters[healthy].stats.spooled == 0 and emitters[healthy].stats.sent == 40
+        # an emitter that starts during the outage, for a run on a healthy node, sends live from the start
+        newcomer = Emitter(redis_url=nodes.url, run_id=by_port[nodes.ports[1]], spool_dir=tmp_path / "new",
+                           timeout_s=5.0)  # fmt: skip
+        assert newcomer.put(StepRecord(run_id=newcomer.run_id, step=0, wall_time=1e9, signals={"loss": 1.0}))
+        newcomer.close()
+        assert (newcomer.stats.sent, newcomer.stats.spooled) == (1, 0), newcomer.stats
         nodes.restart(victim_port)
         _wait("the victim's spool to be replayed",
               lambda: emitters[victim].stats.replayed == emitters[victim].stats.spooled, 90)  # fmt: skip

@@ -344,7 +344,8 @@ class Emitter:
         try:
             if self._client is None:
                 self._client = self._new_client()
-            self._client.ping()
+            # not PING: on a cluster that goes to any node; this reaches the node that holds this rank's stream
+            self._client.exists(self._stream_key)
             if not self._registered:
                 self._register()
             if self._spool.has_data() and not self._replay():
