@@ -118,13 +118,14 @@ class Cluster:
         """One node; its data (AOF when ``extra`` asks for it) and cluster config stay in ``directory/<port>``."""
         data = self.directory / str(port)
         data.mkdir(exist_ok=True)
-        self.procs[port] = subprocess.Popen(
-            [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-config-file", str(data / "nodes.conf"), "--dir", str(data), "--save", "",
-             "--appendonly", "no", "--maxmemory-policy", "noeviction", "--logfile", str(self._log(port)),
-             *self.extra],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+        with open(data / "stderr.txt", "ab") as err:  # config errors come before the log file is opened
+            self.procs[port] = subprocess.Popen(
+                [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", str(data / "nodes.conf"), "--dir", str(data), "--save", "",
+                 "--appendonly", "no", "--maxmemory-policy", "noeviction", "--logfile", str(self._log(port)),
+                 *self.extra],
+                stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True,
+            )  # fmt: skip
 
     def _log(self, port: int) -> Path:
         return self.directory / f"node-{port}.log"
@@ -143,7 +144,8 @@ class Cluster:
 
     def _ping(self, port: int, proc: subprocess.Popen[bytes]) -> bool:
         if proc.poll() is not None:
-            log = self._log(port).read_text(errors="replace")
+            log = "".join(path.read_text(errors="replace") for path in
+                          (self.directory / str(port) / "stderr.txt", self._log(port)) if path.exists())  # fmt: skip
             if re.search(r"Bad directive|FATAL CONFIG", log):  # a redis-server that does not know cluster-enabled
                 pytest.skip(f"{self.binary} cannot run a cluster node: {log.strip().splitlines()[-1]}")
             pytest.fail(f"cluster node {port} exited with {proc.returncode}:\n{log[-2000:]}")
