@@ -542,20 +542,25 @@ class _AdvicePoller:
     """Reads ``keys.advice(run_id)`` with short timeouts and no retries (background thread only)."""
 
     def __init__(self, config: GuardConfig) -> None:
-        import redis
+        assert config.redis_url is not None and config.run_id is not None
+        self._url = config.redis_url
+        self._key = keys.advice(config.run_id)
+        self._client: Any = None  # made on the first poll: a Redis Cluster client contacts a node when made
+        self._failing = False
+
+    def _connect(self) -> Any:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        assert config.redis_url is not None and config.run_id is not None
-        self._key = keys.advice(config.run_id)
-        self._client = redis.Redis.from_url(
-            config.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)
-        )
-        self._failing = False
+        from stability.redis_url import connect  # redis:// or redis+cluster://
+
+        return connect(self._url, socket_timeout=0.5, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
 
     def poll(self) -> Advice | None:
         """The stored advice (None: none stored, or Redis unreachable: logged once per outage)."""
         try:
+            if self._client is None:
+                self._client = self._connect()
             raw: Any = self._client.get(self._key)
             advice = Advice.from_json(raw) if raw is not None else None
         except Exception as exc:
@@ -567,7 +572,8 @@ class _AdvicePoller:
         return advice
 
     def close(self) -> None:
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
 
 
 class GuardedOptimizer:

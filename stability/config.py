@@ -32,6 +32,7 @@ from typing import Any
 
 from stability.errors import ConfigError
 from stability.records import check_run_id
+from stability.redis_url import check_url
 
 __all__ = ["WatchConfig", "new_run_id"]
 
@@ -52,7 +53,8 @@ class WatchConfig:
     run_dir: Path | None = None
     """Run directory: embedded Redis data, spool, archive, findings. None: ``./stability-runs/<run_id>``."""
     redis_url: str | None = None
-    """``redis://`` / ``rediss://`` / ``unix://`` URL of an external Redis; None starts an embedded one."""
+    """``redis://`` / ``rediss://`` / ``unix://`` URL of an external Redis, ``redis+cluster://host:port[,host:port]``
+    for a Redis Cluster (see :mod:`stability.redis_url`); None starts an embedded one."""
     layer_every: int = 1
     """Per-layer gradient norms every N optimizer steps (0 = never)."""
     stats_every: int = 50
@@ -81,12 +83,8 @@ class WatchConfig:
             raise ConfigError(f"queue_size must be >= 1, got {self.queue_size}")
         if not 0 < self.redis_timeout_s <= 10:
             raise ConfigError(f"redis_timeout_s must be in (0, 10], got {self.redis_timeout_s}")
-        if self.redis_url is not None and not self.redis_url.startswith(
-            ("redis://", "rediss://", "unix://", "redis+socket://")
-        ):
-            raise ConfigError(
-                f"redis_url {self.redis_url!r} must start with redis://, rediss://, unix:// or redis+socket://"
-            )
+        if self.redis_url is not None:
+            check_url(self.redis_url, "redis_url")
         if self.run_dir is not None and not isinstance(self.run_dir, Path):
             object.__setattr__(self, "run_dir", Path(self.run_dir))
 

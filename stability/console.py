@@ -157,9 +157,9 @@ class ConsoleReporter:
         """Remember where the findings stream ends now (older findings of a resumed run are not repeated) and
         start the reader thread. Never raises."""
         try:
-            import redis
+            from stability.redis_url import connect  # plain or Redis Cluster client
 
-            self._client = redis.Redis.from_url(self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+            self._client = connect(self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
             newest = self._client.xrevrange(keys.findings(self.run_id), count=1)
             if newest:
                 self._last = _text(newest[0][0])

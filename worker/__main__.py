@@ -11,11 +11,14 @@ import argparse
 import os
 import sys
 
+from stability.errors import ConfigError
+
 __all__ = ["main", "worker_argv"]
 
 _DESCRIPTION = (
     "Run a Celery worker that diagnoses training runs. Redis (records and broker) comes from STABILITY_REDIS_URL "
-    "(default redis://127.0.0.1:6379/0). Defaults: --pool solo, the embedded beat (sweep scheduler; run exactly one "
+    "(default redis://127.0.0.1:6379/0; redis+cluster://HOST:PORT for a Redis Cluster, which then needs a separate "
+    "broker in STABILITY_BROKER_URL). Defaults: --pool solo, the embedded beat (sweep scheduler; run exactly one "
     "per Redis, pass --no-beat to additional workers), INFO logging. Unknown options go to 'celery worker'."
 )
 
@@ -49,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         from stability.worker.app import app
 
         app.worker_main(cmd)
+    except ConfigError as exc:  # e.g. a Redis Cluster URL with no separate broker (STABILITY_BROKER_URL)
+        print(f"stability worker: {exc}", file=sys.stderr, flush=True)
+        return 2
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     return 0

@@ -1,17 +1,23 @@
 """The Celery app of the stability worker.
 
 The broker is the Redis that carries the records (``STABILITY_REDIS_URL``; a ``unix://`` socket URL is turned
-into kombu's ``redis+socket://`` form). Tasks are only triggers, the data stays in Redis Streams, so the app
-needs no result backend. Settings follow service-notes §3: late acks, re-queue when a worker process dies,
-one message prefetched per process, JSON only, and a beat schedule that runs ``sweep`` every
-``STABILITY_SWEEP_S`` seconds (default 1.0).
+into kombu's ``redis+socket://`` form), unless ``STABILITY_BROKER_URL`` names another one. Tasks are only
+triggers, the data stays in Redis Streams, so the app needs no result backend. When the records live in a Redis
+Cluster (``redis+cluster://...``, see :mod:`stability.redis_url`) the broker must be set apart: kombu's Redis
+transport talks to one server (it has no cluster client), so a cluster URL without ``STABILITY_BROKER_URL`` (or
+a cluster URL as broker) is a :class:`ConfigError` at start. Settings follow service-notes §3: late acks,
+re-queue when a worker process dies, one message prefetched per process, JSON only, and a beat schedule that runs
+``sweep`` every ``STABILITY_SWEEP_S`` seconds (default 1.0).
 
 Environment:
 
 ==========================  ==========================  ===============================================
 variable                    default                     meaning
 ==========================  ==========================  ===============================================
-``STABILITY_REDIS_URL``     ``redis://127.0.0.1:6379/0``  Redis with the record streams (also the broker)
+``STABILITY_REDIS_URL``     ``redis://127.0.0.1:6379/0``  Redis with the record streams (also the broker);
+                                                        ``redis+cluster://h:p[,h:p]`` for a Redis Cluster
+``STABILITY_BROKER_URL``    (the Redis above)           Celery broker: ``redis://``, ``rediss://``, ``unix://``,
+                                                        ``amqp://``...; required when the Redis is a cluster
 ``STABILITY_SWEEP_S``       ``1.0``                     seconds between sweeps over the active runs
 ``STABILITY_BATCH``         ``500``                     entries read per rank and batch
 ``STABILITY_LEASE_MS``      ``30000``                   per-run drain lease (and abandoned-entry idle time)
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 from celery import Celery
 
 from stability.errors import ConfigError
+from stability.redis_url import check_url, is_cluster_url, redis_py_url, safe_url
 
 __all__ = ["WorkerSettings", "app", "broker_url"]
 
@@ -37,7 +44,16 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def broker_url(redis_url: str) -> str:
-    """The kombu broker URL of a redis-py URL (``unix://path`` becomes ``redis+socket://path``)."""
+    """The kombu broker URL of a redis-py URL (``unix://path`` becomes ``redis+socket://path``).
+
+    Raises:
+        ConfigError: ``redis_url`` names a Redis Cluster, which cannot be Celery's broker.
+    """
+    if is_cluster_url(redis_url):
+        raise ConfigError(
+            f"{safe_url(redis_url)!r} is a Redis Cluster, which cannot be the Celery broker (kombu's Redis transport "
+            "needs one server); set STABILITY_BROKER_URL to a single Redis (redis://HOST:PORT/DB) or another broker"
+        )
     if redis_url.startswith("unix://"):
         return "redis+socket://" + redis_url[len("unix://") :]
     return redis_url
@@ -48,7 +64,9 @@ class WorkerSettings:
     """Worker settings, read from the environment by :meth:`from_env`."""
 
     redis_url: str = DEFAULT_REDIS_URL
-    """redis-py URL of the Redis with the streams (``redis://``, ``rediss://``, ``unix://``)."""
+    """URL of the Redis with the streams (``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://``)."""
+    broker_url: str | None = None
+    """Celery broker URL (``STABILITY_BROKER_URL``); None: the Redis of ``redis_url`` (which must not be a cluster)."""
     sweep_s: float = 1.0
     """Seconds between beat sweeps."""
     batch: int = 500
@@ -63,8 +81,8 @@ class WorkerSettings:
     """Entries processed after which a run is committed anyway."""
 
     def __post_init__(self) -> None:
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://", "redis+socket://")):
-            raise ConfigError(f"STABILITY_REDIS_URL={self.redis_url!r} must be a redis://, rediss:// or unix:// URL")
+        check_url(self.redis_url, "STABILITY_REDIS_URL")
+        _ = self.broker  # raises ConfigError for a cluster without a separate broker
         if not self.sweep_s > 0:
             raise ConfigError(f"STABILITY_SWEEP_S must be > 0, got {self.sweep_s}")
         if self.batch < 1:
@@ -80,10 +98,29 @@ class WorkerSettings:
 
     @property
     def client_url(self) -> str:
-        """The URL for redis-py (``redis+socket://path`` becomes ``unix://path``)."""
-        if self.redis_url.startswith("redis+socket://"):
-            return "unix://" + self.redis_url[len("redis+socket://") :]
-        return self.redis_url
+        """The URL for :func:`stability.redis_url.connect` (``redis+socket://path`` becomes ``unix://path``)."""
+        return redis_py_url(self.redis_url)
+
+    @property
+    def broker(self) -> str:
+        """The kombu URL of the Celery broker: ``broker_url`` if set, else the Redis of ``redis_url``.
+
+        Raises:
+            ConfigError: the broker would be a Redis Cluster.
+        """
+        if self.broker_url is None:
+            if is_cluster_url(self.redis_url):
+                raise ConfigError(
+                    f"STABILITY_REDIS_URL={safe_url(self.redis_url)!r} is a Redis Cluster, which cannot be the Celery "
+                    "broker; set STABILITY_BROKER_URL to a single Redis (redis://HOST:PORT/DB) or another broker"
+                )
+            return broker_url(self.redis_url)
+        if is_cluster_url(self.broker_url):
+            raise ConfigError(
+                f"STABILITY_BROKER_URL={safe_url(self.broker_url)!r} is a Redis Cluster, which cannot be the Celery "
+                "broker (kombu's Redis transport needs one server); use a single Redis or another broker"
+            )
+        return broker_url(self.broker_url)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -101,6 +138,7 @@ class WorkerSettings:
 
         return cls(
             redis_url=env.get("STABILITY_REDIS_URL") or DEFAULT_REDIS_URL,
+            broker_url=env.get("STABILITY_BROKER_URL") or None,
             sweep_s=get("STABILITY_SWEEP_S", float, 1.0),
             batch=int(get("STABILITY_BATCH", int, 500)),
             lease_ms=int(get("STABILITY_LEASE_MS", int, 30_000)),
@@ -114,7 +152,7 @@ settings = WorkerSettings.from_env()
 
 app = Celery("stability", include=["stability.worker.tasks"])
 app.conf.update(
-    broker_url=broker_url(settings.redis_url),
+    broker_url=settings.broker,
     broker_connection_retry_on_startup=True,
     broker_transport_options={"visibility_timeout": 3600, "socket_timeout": 5},
     task_ignore_result=True,

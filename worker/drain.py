@@ -55,6 +55,7 @@ from stability.detectors.base import Finding
 from stability.detectors.engine import RunDiagnoser
 from stability.errors import ConfigError, RecordError
 from stability.records import decode
+from stability.redis_url import RedisClient
 from stability.worker.sinks import Entry, Sink
 
 __all__ = ["CONSUMER", "DrainResult", "Drainer", "Diagnoser", "SnapshotPolicy", "owner_key"]
@@ -192,7 +193,8 @@ class Drainer:
     """Drains the record streams of one run (see the module docstring).
 
     Args:
-        client: Redis client of the run's data (bytes responses, i.e. ``decode_responses=False``).
+        client: Redis client of the run's data (bytes responses, i.e. ``decode_responses=False``); a
+            ``RedisCluster`` works too: every transaction and script touches the run's hash slot only.
         run_id: The run to drain.
         sinks: Receivers of each batch's findings and records.
         batch: Entries read per rank and batch.
@@ -204,7 +206,7 @@ class Drainer:
 
     def __init__(
         self,
-        client: redis.Redis[bytes],
+        client: RedisClient,
         run_id: str,
         *,
         sinks: Sequence[Sink],

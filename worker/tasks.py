@@ -13,6 +13,7 @@ import logging
 import redis
 
 from stability import keys
+from stability.redis_url import RedisClient, connect
 from stability.worker.advice import AdviceSink
 from stability.worker.app import app, settings
 from stability.worker.drain import Drainer, SnapshotPolicy
@@ -25,11 +26,10 @@ logger = logging.getLogger(__name__)
 
 
 @functools.cache
-def client() -> redis.Redis[bytes]:
-    """This process's Redis client (created lazily, so after a prefork fork)."""
-    return redis.Redis.from_url(
-        settings.client_url, socket_timeout=5, socket_connect_timeout=5, health_check_interval=25
-    )
+def client() -> RedisClient:
+    """This process's Redis client (created lazily, so after a prefork fork); a cluster client for a
+    ``redis+cluster://`` URL (every command stability sends touches one hash slot, see :mod:`stability.redis_url`)."""
+    return connect(settings.client_url, socket_timeout=5, socket_connect_timeout=5, health_check_interval=25)
 
 
 @functools.cache

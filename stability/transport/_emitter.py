@@ -5,6 +5,10 @@ pipelined XADD round trip to the rank's stream. Each record gets its stream ID `
 queued, so resending it is harmless: Redis rejects an ID that is not above the stream top, which is counted as a
 duplicate. When a round trip fails, the batch and everything after it goes to the spool file; when Redis answers
 again (tried at most once per second, backing off to 5 s) the whole spool is replayed first, then removed.
+
+With a Redis Cluster URL (``redis+cluster://``, :mod:`stability.redis_url`) the client is made on the emitter
+thread at the first connection attempt, since a cluster client contacts a node when it is created: Redis being down
+at start then means spooling, as with one server. A rank's stream is one key, so each batch goes to one node.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import redis
 from redis import exceptions as redis_errors
@@ -28,6 +31,7 @@ from redis.retry import Retry
 from stability import keys
 from stability.errors import ConfigError, RecordError
 from stability.records import StepRecord, check_run_id, encode
+from stability.redis_url import RedisClient, check_url, connect, is_cluster_url, safe_url
 from stability.transport._ids import IdClock
 from stability.transport._spool import Entry, Spool, spool_path
 
@@ -39,8 +43,9 @@ RETRY_MIN_S = 1.0
 RETRY_MAX_S = 5.0
 _LOG_EVERY_S = 60.0
 _DUPLICATE = "equal or smaller than the target stream top item"
-_DOWN_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
-"""Round-trip failures after which Redis is treated as down (a timeout means "maybe written")."""
+_DOWN_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError, redis_errors.RedisClusterException)
+"""Round-trip failures after which Redis is treated as down (a timeout means "maybe written"); a cluster client
+raises ``RedisClusterException`` (not a ``RedisError``) when no node answers or a slot is not served."""
 _RETRY_LATER_ERRORS: tuple[type[Exception], ...] = (
     redis_errors.OutOfMemoryError,  # type: ignore[attr-defined]  # missing from the installed types-redis 4.6
     redis_errors.ReadOnlyError,
@@ -89,7 +94,8 @@ class Emitter:
     """Background emitter of one rank's step records to Redis Streams, with a local spool for outages.
 
     Args:
-        redis_url: ``redis://``, ``rediss://``, ``unix://`` (or kombu's ``redis+socket://``) URL.
+        redis_url: ``redis://``, ``rediss://``, ``unix://`` (or kombu's ``redis+socket://``) URL, or
+            ``redis+cluster://host:port[,host:port...]`` for a Redis Cluster.
         run_id: Id of the training run.
         spool_dir: Directory of the spool file ``spool-rank<rank>.bin`` (created when first needed). A spool left
             there by an earlier process is replayed on the first connection.
@@ -120,18 +126,14 @@ class Emitter:
         except RecordError as exc:
             raise ConfigError(str(exc)) from None
         _check_ranges(rank=rank, queue_size=queue_size, timeout_s=timeout_s, batch_max=batch_max)
-        try:
-            self._client = redis.Redis.from_url(
-                _redis_py_url(redis_url),
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                retry=Retry(NoBackoff(), 0),
-            )
-        except ValueError as exc:
-            raise ConfigError(f"redis_url {_safe_url(redis_url)!r} is invalid: {exc}") from None
+        check_url(redis_url)
+        self._redis_url = redis_url
+        self._timeout_s = timeout_s
+        # a single-server client connects on its first command; a cluster client at creation (on the thread)
+        self._client: RedisClient | None = None if is_cluster_url(redis_url) else self._new_client()
         self.run_id = run_id
         self.rank = rank
-        self._url = _safe_url(redis_url)
+        self._url = safe_url(redis_url)
         self._stream_key = keys.records(run_id, rank)
         self._meta: dict[str | bytes, str | bytes | int | float] = {k: v for k, v in (meta or {}).items()}
         self._started = f"{time.time():.3f}"
@@ -237,7 +239,17 @@ class Emitter:
         if not self._up:
             self._guarded(self._connect)
         self._guarded(self._mark_ended)
-        self._guarded(self._client.close)
+        if self._client is not None:
+            self._guarded(self._client.close)
+
+    def _new_client(self) -> RedisClient:
+        """A client that fails fast (no retries, short timeouts): a failed round trip means "spool"."""
+        return connect(
+            self._redis_url,
+            socket_timeout=self._timeout_s,
+            socket_connect_timeout=self._timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
 
     def _guarded(self, step: Callable[[], None]) -> None:
         """Run ``step``; an unexpected exception is logged (rate-limited), never raised out of the thread."""
@@ -296,6 +308,7 @@ class Emitter:
 
     def _xadd(self, entries: Sequence[Entry]) -> _Outcome:
         """One pipelined round trip of XADDs; raises the ``_DOWN_ERRORS`` of a failed round trip."""
+        assert self._client is not None  # only called once connected
         pipe = self._client.pipeline(transaction=False)
         for entry_id, payload in entries:
             pipe.xadd(self._stream_key, {"r": payload}, id=entry_id)
@@ -311,7 +324,10 @@ class Emitter:
                 break
             else:
                 outcome.rejected += 1
-                self._log_limited("rejected", logging.ERROR, "Redis rejected record %s: %s", entries[index][0], result)
+                hint = " (a Redis Cluster node: use a redis+cluster:// URL)" if "MOVED" in str(result) else ""
+                self._log_limited(
+                    "rejected", logging.ERROR, "Redis rejected record %s: %s%s", entries[index][0], result, hint
+                )
         return outcome
 
     def _to_spool(self, batch: Sequence[Entry]) -> None:
@@ -326,7 +342,10 @@ class Emitter:
     def _connect(self) -> None:
         """Try Redis now: register the run once, replay the spool, then mark Redis up."""
         try:
-            self._client.ping()
+            if self._client is None:
+                self._client = self._new_client()
+            # not PING: on a cluster that goes to any node; this reaches the node that holds this rank's stream
+            self._client.exists(self._stream_key)
             if not self._registered:
                 self._register()
             if self._spool.has_data() and not self._replay():
@@ -341,6 +360,8 @@ class Emitter:
         self._backoff = RETRY_MIN_S
 
     def _register(self) -> None:
+        # not a transaction: keys.RUNS is a global key, in another hash slot than the run's keys on a cluster
+        assert self._client is not None
         pipe = self._client.pipeline(transaction=False)
         pipe.sadd(keys.RUNS, self.run_id)
         pipe.sadd(keys.ranks(self.run_id), self.rank)
@@ -393,7 +414,7 @@ class Emitter:
         )
 
     def _mark_ended(self) -> None:
-        if not self._up:
+        if not self._up or self._client is None:
             return
         try:
             self._client.hset(keys.meta(self.run_id), f"ended:{self.rank}", f"{time.time():.3f}")
@@ -428,22 +449,3 @@ def _check_ranges(*, rank: int, queue_size: int, timeout_s: float, batch_max: in
         raise ConfigError(f"timeout_s must be in (0, 10], got {timeout_s}")
     if batch_max < 1:
         raise ConfigError(f"batch_max must be >= 1, got {batch_max}")
-
-
-def _redis_py_url(url: str) -> str:
-    """Accept kombu's ``redis+socket://<path>`` (what Celery configs use) as redis-py's ``unix://<path>``."""
-    prefix = "redis+socket://"
-    return "unix://" + url[len(prefix) :] if url.startswith(prefix) else url
-
-
-def _safe_url(url: str) -> str:
-    """``url`` without its password, for logs and messages."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return parts._replace(netloc=user + netloc).geturl()
