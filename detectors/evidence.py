@@ -45,12 +45,6 @@ _MIN_REF = 3
 """Fewer reference values than this (a per-module statistic sampled every ``stats_every`` steps, of which the
 history's last 96 records hold 3-4): one old value is no level to move from (0.40 -> 1.25 on an MoE expert whose
 values ranged 0.005-1.75 is not a 3x rise)."""
-_TAIL_MIN_POINTS = 16
-_TAIL_RANK = 2
-_TAIL_POWER = 2.0
-"""A move must be at least the square of the reference window's 2nd-largest excursion from its median (twice it in
-log space): an MoE expert's Adam second moment that triples every few steps as routing shifts is not a precursor
-when it triples once more. A steady series (2nd-largest excursion 1.2-1.5x) keeps the plain ``factor`` (3x)."""
 
 
 def find_move(ring: Ring, name: str, onset: int, *, factor: float, lead_steps: int, lead_records: int = 3,
@@ -78,11 +72,7 @@ def find_move(ring: Ring, name: str, onset: int, *, factor: float, lead_steps: i
         ref, scan = values[:1], np.arange(len(steps)) >= 1
     elif len(ref) < _MIN_REF:  # a sampled signal (every 25 steps) with 1-2 values left in the history: no reference
         return None
-    center = float(np.median(ref))
-    ratios = values[scan] / center
-    if len(ref) >= _TAIL_MIN_POINTS:  # a move the series makes all the time is not a precursor
-        usual = np.sort(ref / center if rise else center / ref)[-_TAIL_RANK]
-        factor = max(factor, float(usual) ** _TAIL_POWER)
+    ratios = values[scan] / float(np.median(ref))
     hit = ratios >= factor if rise else ratios <= 1.0 / factor
     if not hit.any():
         return None

@@ -71,14 +71,17 @@ def connect(url: str, *, timeout: float = 5.0) -> redis.Redis[bytes]:
     Raises:
         SourceError: bad URL, unreachable server, failed authentication (one line, password redacted).
     """
-    target = "unix://" + url[len("redis+socket://"):] if url.startswith("redis+socket://") else url
+    from stability.errors import ConfigError
+    from stability.redis_url import connect as connect_url
+    from stability.redis_url import down_errors
+
     try:
-        urlsplit(target)
-        client: redis.Redis[bytes] = redis.Redis.from_url(target, socket_timeout=timeout,
-                                                          socket_connect_timeout=timeout,
-                                                          retry=Retry(ExponentialBackoff(cap=1.0), 2))
-    except ValueError as exc:
-        raise SourceError(f"{redact(url)}: not a valid Redis URL ({_scrub(str(exc), url)})") from None
+        client: redis.Redis[bytes] = connect_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                                 retry=Retry(ExponentialBackoff(cap=1.0), 2))
+    except ConfigError as exc:
+        raise SourceError(_scrub(str(exc), url)) from None
+    except (*down_errors(), ValueError) as exc:  # type: ignore[misc]
+        raise SourceError(f"cannot reach Redis at {redact(url)} ({_scrub(str(exc), url)})") from None
     try:
         client.ping()
     except redis.AuthenticationError:

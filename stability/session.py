@@ -50,6 +50,7 @@ from stability.config import WatchConfig
 from stability.console import ConsoleReporter
 from stability.errors import EmbeddedServerError
 from stability.records import StepRecord
+from stability.redis_url import connect
 from stability.transport import Emitter
 
 __all__ = ["LazySession", "Session", "rank_from_env"]
@@ -188,10 +189,9 @@ class Session:
             client.close()
 
     def _wait_drained(self, timeout: float) -> bool:
-        import redis
 
         deadline = time.monotonic() + timeout
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=2.0)
+        client = connect(self.redis_url, socket_timeout=2.0)
         try:
             while time.monotonic() < deadline:
                 if self.supervisor is not None and self.supervisor.poll() is not None:
@@ -427,17 +427,10 @@ def _record_status(url: str, run_id: str, status: str, *, run_dir: Path | None) 
 
 def _quick_client(url: str, timeout: float) -> Any:
     """A redis-py client that gives up after one try (the status is a label: never hold up training for it)."""
-    import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    return redis.Redis.from_url(_client_url(url), socket_timeout=timeout, socket_connect_timeout=timeout,
-                                retry=Retry(NoBackoff(), 0))
-
-
-def _client_url(url: str) -> str:
-    prefix = "redis+socket://"
-    return "unix://" + url[len(prefix):] if url.startswith(prefix) else url
+    return connect(url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
 
 
 def _wait_for_url(path: Path, timeout: float = 60.0, *, process: subprocess.Popen[bytes] | None = None,

@@ -43,6 +43,7 @@ from typing import Any
 from stability import keys, runstate
 from stability.embedded import RedisServer, parent_death_preexec
 from stability.errors import StabilityError
+from stability.redis_url import connect
 
 __all__ = ["ParentWatch", "main"]
 
@@ -181,7 +182,7 @@ class Supervisor:
         """The training process vanished without a clean close: record it, let the worker finish the run."""
         import redis
 
-        client = redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=5)
+        client = connect(self.url, socket_timeout=5, socket_connect_timeout=5)
         try:
             status = runstate.mark(client, self.run_id, runstate.DIED, reason="vanished without a clean close",
                                    run_dir=self.run_dir)

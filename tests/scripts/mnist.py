@@ -58,7 +58,8 @@ def synthetic_digits(n, seed):
     y = torch.randint(0, 10, (n,), generator=gen)
     dx = torch.randint(0, 3, (n,), generator=gen)
     dy = torch.randint(0, 3, (n,), generator=gen)
-    x = torch.stack([prototypes[c, :, i:i + 28, j:j + 28] for c, i, j in zip(y.tolist(), dx.tolist(), dy.tolist())])
+    shifts = zip(y.tolist(), dx.tolist(), dy.tolist(), strict=True)
+    x = torch.stack([prototypes[c, :, i:i + 28, j:j + 28] for c, i, j in shifts])
     x = (x - x.mean()) / x.std() + 2.5 * torch.randn(x.shape, generator=gen)
     return x, y
 
