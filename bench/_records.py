@@ -4,7 +4,7 @@ A record looks like what :class:`stability.hooks.capture.Capture` produces for a
 signals of every step (``loss``, ``lr``, ``grad_norm``, ``nonfinite_grads``, ``micro_batches``, ``tokens``) and,
 per module of a transformer-shaped module list (embeddings, per block ``attn.c_attn``, ``attn.c_proj``,
 ``mlp.c_fc``, ``mlp.c_proj``, ``ln_f``, ``lm_head``), ``grad_norm/<module>`` every step plus ``param_norm``,
-``update_ratio``, ``adam_v_ratio`` and ``act_rms`` every ``stats_every`` steps (1 = every record, the worst case
+``update_ratio``, ``adam_v_ratio`` and ``act_absmax`` every ``stats_every`` steps (1 = every record, the worst case
 the throughput targets are set for: ~200 signals per record with 40 modules).
 
 Values follow a warm-up + cosine LR, a decaying loss, per-module gradient levels with log-normal noise, slowly
@@ -28,7 +28,7 @@ from stability.records import StepRecord
 
 __all__ = ["QUANTITIES", "RecordFactory", "module_names"]
 
-QUANTITIES = ("param_norm", "update_ratio", "adam_v_ratio", "act_rms")
+QUANTITIES = ("param_norm", "update_ratio", "adam_v_ratio", "act_absmax")
 """Per-module quantities of a stats step (``grad_norm/<module>`` is on every step)."""
 
 GLOBALS = ("loss", "lr", "grad_norm", "nonfinite_grads", "micro_batches", "tokens")
@@ -102,7 +102,7 @@ class RecordFactory:
                 "param_norm": params,
                 "update_ratio": lr * 3.0 * np.exp(rng.normal(0.0, 0.1, n)),
                 "adam_v_ratio": np.exp(rng.normal(0.0, 0.15, n)),
-                "act_rms": np.exp(rng.normal(0.0, 0.05, n)),
+                "act_absmax": 8.0 * np.exp(rng.normal(0.0, 0.05, n)),
             }
             for quantity, array in values.items():
                 signals.update(zip(self._stat_keys[quantity], array.tolist(), strict=True))

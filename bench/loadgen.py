@@ -5,7 +5,7 @@ system ``redis-server`` unless ``--redis-server``) and ``--workers`` real worker
 an operator starts them (``python -m stability.worker``: Celery, solo pool, the first one with the embedded beat,
 the others ``--no-beat``), then writes records the way the training-side emitter does (one stream per rank, IDs
 ``<wall ms>-<step>``, run registered in ``stability:runs``) built by ``bench/_records.py``: ~200 signals per record
-with 40 modules (global signals, per-module grad / param norms, update ratios, Adam lag, activation RMS) and
+with 40 modules (global signals, per-module grad / param norms, update ratios, Adam lag, activation max) and
 injected anomalies (NaN losses at known wall times, per-layer gradient jumps, loss spikes) so detectors do real
 work.
 

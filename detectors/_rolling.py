@@ -141,12 +141,11 @@ def level_lower_bound(window: SortedWindow, x: float) -> float:
     ``median_i(y_i + slope * (x - x_i))`` and every term is at least ``y_i + min(0, slope) * (x - x_first)``, so the
     prediction is at least ``median(y) + min(0, slope_min) * (x - x_first)`` (the median is monotone).
     """
-    n = len(window)
-    if n < 2 or not window.regular or not x >= window.last_x:
+    s = window._sorted
+    n = len(window._order)
+    if n < 2 or window._irregular or window._nonfinite or not x >= window._last_x:
         return -math.inf
-    half = n // 2
-    slope_min = (window.low - window.high) / half
-    return window.median + slope_min * (x - window.first_x) - _MARGIN
+    return (0.5 * (s[(n - 1) // 2] + s[n // 2]) + (s[0] - s[-1]) / (n // 2) * (x - window._xs[0])) - _MARGIN
 
 
 class FastBaseline(SortedWindow):
