@@ -16,10 +16,13 @@ Two modes:
   the same run and on the same Redis, is a bare ``XREADGROUP`` + ``XACK`` loop over a copy of the streams (no
   decoding, no detectors, one process): the Redis floor.
 * ``live`` (capacity): every rank writes one record per ``1 / --step-rate`` seconds for ``--duration`` seconds;
-  every step one rank per run gets a NaN loss (a rank at most once per 120 steps). Printed: records/s written and processed, the consumer lag
-  (entries written but not acked) sampled once a second (max and at the end), end-to-end latency from the
-  record's XADD to its ``nan`` finding in the findings stream (the finding's stream ID is Redis' clock, the same
-  machine's: p50 / p99 / max), and Redis ``used_memory``.
+  every step one rank per run gets a NaN loss (a rank at most once per 120 steps). Printed: records/s written
+  and processed, the consumer lag (entries written but not acked) sampled once a second (max and at the end),
+  end-to-end latency from the record's XADD to its ``nan`` finding in the findings stream (the finding's stream
+  ID is Redis' clock, the same machine's: p50 / p99 / max), and Redis ``used_memory``.
+
+Both modes also print records per worker CPU-second (the worker processes' user + system time from ``/proc``):
+on a shared machine wall-clock rates measure the other jobs too, CPU-time rates much less so.
 
 Everything is printed as one summary (``--json PATH`` also writes it). A worker's log is in the temporary
 directory; ``--keep`` keeps that directory and prints where it is.
@@ -32,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,11 +49,11 @@ from typing import Any
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _records import RecordFactory  # noqa: E402
+from _records import RecordFactory
 
-from stability import keys  # noqa: E402
-from stability.embedded import RedisServer, free_port  # noqa: E402
-from stability.records import encode  # noqa: E402
+from stability import keys
+from stability.embedded import RedisServer, free_port
+from stability.records import encode
 
 REPO = Path(__file__).resolve().parents[1]
 REARM = 120
@@ -84,6 +86,12 @@ class Result:
     used_memory_peak: int = 0
     redis_version: str = ""
     bytes_per_record: int = 0
+    worker_cpu_s: float = 0.0
+    """CPU seconds (user + system) the worker processes spent (their main processes: the drains; not the beat)."""
+    baseline_cpu_s: float = 0.0
+    """CPU seconds of the bare XREADGROUP + XACK loop (this process, while it ran)."""
+    load: float = 0.0
+    """The machine's 1-minute load average at the end (a busy machine stretches every wall-clock rate)."""
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -93,6 +101,8 @@ class Result:
         out["latency_max_s"] = lat[-1] if lat else None
         out["latency_samples"] = len(lat)
         out["vs_baseline"] = self.processed_per_s / self.baseline_per_s if self.baseline_per_s else None
+        out["per_worker_cpu_s"] = self.records / self.worker_cpu_s if self.worker_cpu_s else None
+        out["baseline_per_cpu_s"] = self.records / self.baseline_cpu_s if self.baseline_cpu_s else None
         return out
 
 
@@ -103,6 +113,19 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 
 # ----------------------------------------------------------------------------------------------------- workers
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` so far (``/proc/<pid>/stat``; 0 where unreadable)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+    return total
+
+
 @contextmanager
 def workers(url: str, count: int, tmp: Path, args: argparse.Namespace) -> Iterator[list[subprocess.Popen[bytes]]]:
     """``count`` real worker processes (the first with the beat), ready when this yields; killed on exit."""
@@ -271,12 +294,16 @@ def backlog(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Name
     total = args.runs * args.ranks * args.steps
     if not args.no_baseline:
         fill_backlog(client, runs, args, prefix="bare:")
+        cpu = time.process_time()
         result.baseline_per_s = bare_loop(client, runs, args.ranks, args.batch, "bare:")
+        result.baseline_cpu_s = time.process_time() - cpu
     register(client, runs, args.ranks, tmp, args.archive)
     start = time.perf_counter()
     result.bytes_per_record = fill_backlog(client, runs, args)
     result.written_per_s = total / (time.perf_counter() - start)
-    with workers(url, args.workers, tmp, args):
+    with workers(url, args.workers, tmp, args) as procs:
+        pids = [p.pid for p in procs]
+        cpu = cpu_seconds(pids)
         start = time.monotonic()
         client.sadd(keys.RUNS, *runs)
         deadline = start + args.timeout
@@ -288,6 +315,7 @@ def backlog(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Name
                 break
             time.sleep(0.25)
         result.seconds = time.monotonic() - start
+        result.worker_cpu_s = cpu_seconds(pids) - cpu
         memory(client, result)
     result.records = total - left
     result.lag_end = left
@@ -297,17 +325,61 @@ def backlog(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Name
     return result
 
 
+class _StepWriter:
+    """Writes one step of every rank of every run, as the emitters of a live job would (pipelined XADDs), with a
+    NaN loss on one rank per run (a rank at most once per :data:`REARM` steps); remembers when each NaN record
+    reached Redis (the pipeline chunk that carried it returned)."""
+
+    def __init__(self, client: redis.Redis[bytes], runs: list[str], args: argparse.Namespace) -> None:
+        self.client = client
+        self.runs = runs
+        self.ranks = args.ranks
+        self.factories = {run: [RecordFactory(run_id=run, rank=r, modules=args.modules, stats_every=args.stats_every)
+                                for r in range(args.ranks)] for run in runs}
+        self.injected: dict[tuple[str, int, int], float] = {}
+        self._last_nan: dict[tuple[str, int], int] = {}
+
+    def _nan_rank(self, step: int, index: int, run: str) -> int:
+        rank = (step * 7919 + index * 31) % self.ranks if step >= 1 else -1
+        if rank < 0 or step - self._last_nan.get((run, rank), -REARM) < REARM:
+            return -1  # that rank's last NaN is too recent: the detector would (rightly) not re-alert
+        self._last_nan[(run, rank)] = step
+        return rank
+
+    def write(self, step: int) -> int:
+        """Write ``step`` of every rank; return the records written."""
+        wall = time.time()
+        pipe = self.client.pipeline(transaction=False)
+        probes: list[tuple[str, int, int]] = []
+        for index, run in enumerate(self.runs):
+            nan_rank = self._nan_rank(step, index, run)
+            for rank, factory in enumerate(self.factories[run]):
+                kind = "nan" if rank == nan_rank else None
+                pipe.xadd(keys.records(run, rank), {"r": encode(factory.record(step, wall, kind))},
+                          id=f"{int(wall * 1000)}-{step}")
+                if kind:
+                    probes.append((run, rank, step))
+                if len(pipe) >= 2000:
+                    self._execute(pipe, probes)
+        self._execute(pipe, probes)
+        return len(self.runs) * self.ranks
+
+    def _execute(self, pipe: Any, probes: list[tuple[str, int, int]]) -> None:
+        pipe.execute()
+        now = time.time()
+        for probe in probes:
+            self.injected[probe] = now
+        probes.clear()
+
+
 def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespace) -> Result:
     runs = run_ids(args)
     result = Result(mode="live", runs=args.runs, ranks=args.ranks, workers=args.workers, signals=0,
                     archive=args.archive)
     result.signals = RecordFactory(run_id="x", rank=0, modules=args.modules).signal_count
-    factories = {run: [RecordFactory(run_id=run, rank=r, modules=args.modules, stats_every=args.stats_every)
-                       for r in range(args.ranks)] for run in runs}
+    writer = _StepWriter(client, runs, args)
     register(client, runs, args.ranks, tmp, args.archive)
     client.sadd(keys.RUNS, *runs)
-    injected: dict[tuple[str, int, int], float] = {}
-    last_nan: dict[tuple[str, int], int] = {}
     stop = threading.Event()
     sampler_client = redis.Redis.from_url(url)
 
@@ -317,47 +389,25 @@ def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespa
             result.lag_samples.append((time.monotonic() - t0, n))
             memory(sampler_client, result)
 
-    with workers(url, args.workers, tmp, args):
+    with workers(url, args.workers, tmp, args) as procs:
+        pids = [p.pid for p in procs]
+        cpu = cpu_seconds(pids)
         t0 = time.monotonic()
         sampler = threading.Thread(target=sample, args=(t0,), daemon=True)
         sampler.start()
-        steps = max(1, int(args.duration * args.step_rate))
-        written = 0
-        late = 0.0
-        for step in range(steps):
-            due = t0 + step / args.step_rate
-            wait = due - time.monotonic()
+        written, late = 0, 0.0
+        for step in range(max(1, int(args.duration * args.step_rate))):
+            wait = t0 + step / args.step_rate - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
-            else:
-                late = max(late, -wait)
-            wall = time.time()
-            pipe = client.pipeline(transaction=False)
-            probes = []
-            for index, run in enumerate(runs):
-                nan_rank = (step * 7919 + index * 31) % args.ranks if step >= 1 else -1
-                if nan_rank >= 0 and step - last_nan.get((run, nan_rank), -REARM) < REARM:
-                    nan_rank = -1  # that rank's last NaN is too recent: the detector would (rightly) not re-alert
-                if nan_rank >= 0:
-                    last_nan[(run, nan_rank)] = step
-                for rank, factory in enumerate(factories[run]):
-                    kind = "nan" if rank == nan_rank else None
-                    rec = factory.record(step, wall, kind)
-                    pipe.xadd(keys.records(run, rank), {"r": encode(rec)}, id=f"{int(wall * 1000)}-{step}")
-                    if kind:
-                        probes.append((run, rank, step))
-                if len(pipe) >= 2000:
-                    pipe.execute()
-            pipe.execute()
-            written_at = time.time()  # the last record of the step is in Redis now
-            for probe in probes:
-                injected[probe] = written_at
-            written += args.runs * args.ranks
+            late = max(late, -wait)
+            written += writer.write(step)
         result.written_per_s = written / max(1e-9, time.monotonic() - t0)
         drain_deadline = time.monotonic() + args.timeout
         while unacked(client, runs, args.ranks) and time.monotonic() < drain_deadline:
             time.sleep(0.25)
         result.seconds = time.monotonic() - t0
+        result.worker_cpu_s = cpu_seconds(pids) - cpu
         stop.set()
         sampler.join()
         memory(client, result)
@@ -366,9 +416,9 @@ def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespa
     result.processed_per_s = result.records / result.seconds
     result.lag_max = max((n for _, n in result.lag_samples), default=0)
     result.findings, found = findings_by_kind(client, runs)
-    result.injected = len(injected)
+    result.injected = len(writer.injected)
     for run, eid, finding in found:
-        written_at = injected.get((run, finding["rank"], finding["step"]))
+        written_at = writer.injected.get((run, finding["rank"], finding["step"]))
         if finding["kind"] == "nan" and written_at is not None:
             result.latencies.append(int(eid.split("-")[0]) / 1000 - written_at)
     if late > 1.0:
@@ -391,8 +441,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=500, help="backlog: records per rank (default 500)")
     p.add_argument("--step-rate", type=float, default=1.0, help="live: steps per second per rank (default 1)")
     p.add_argument("--duration", type=float, default=30.0, help="live: seconds of writing (default 30)")
-    p.add_argument("--anomaly-every", type=int, default=50,
-                   help="backlog: an anomaly (nan / layer_grad / spike in turn) every N steps per run (default 50)")
+    p.add_argument("--anomaly-every", type=int, default=250,
+                   help="backlog: an anomaly (nan / layer_grad / spike in turn) every N steps per run (default 250; "
+                        "each finding costs its ranking, up to ~0.5 s with the data-oddity model)")
     p.add_argument("--archive", action="store_true", help="archive to Parquet (run_dir in the run's metadata)")
     p.add_argument("--sweep-s", type=float, default=0.5, help="STABILITY_SWEEP_S of the workers (default 0.5)")
     p.add_argument("--batch", type=int, default=500, help="STABILITY_BATCH of the workers (default 500)")
@@ -419,14 +470,19 @@ def print_summary(out: dict[str, Any]) -> None:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:,.0f} ms"
 
+    archive = "on" if out["archive"] else "off"
     print(f"{out['mode']}: {out['runs']} runs x {out['ranks']} ranks, {out['signals']} signals "
-          f"({out['bytes_per_record']} B/record), {out['workers']} worker(s), archive {'on' if out['archive'] else 'off'}, "
+          f"({out['bytes_per_record']} B/record), {out['workers']} worker(s), archive {archive}, "
           f"redis {out['redis_version']}")
     print(f"  records processed : {out['records']:,} in {out['seconds']:.1f} s")
     print(f"  records/s written : {out['written_per_s']:,.0f}")
     ratio = f"  ({out['vs_baseline']:.3f}x the bare XREADGROUP+XACK loop, {out['baseline_per_s']:,.0f}/s)" \
         if out["vs_baseline"] else ""
     print(f"  records/s drained : {out['processed_per_s']:,.0f}{ratio}")
+    if out["per_worker_cpu_s"]:
+        base = f" (bare loop {out['baseline_per_cpu_s']:,.0f} per CPU-second)" if out["baseline_per_cpu_s"] else ""
+        print(f"  per CPU-second    : {out['per_worker_cpu_s']:,.0f} records per worker CPU-second "
+              f"({out['worker_cpu_s']:.1f} CPU-s){base}; load average {out['load']:.1f}")
     print(f"  consumer lag      : max {out['lag_max']:,} entries, {out['lag_end']:,} at the end")
     print(f"  latency (nan)     : p50 {ms(out['latency_p50_s'])}, p99 {ms(out['latency_p99_s'])}, "
           f"max {ms(out['latency_max_s'])} ({out['latency_samples']} of {out['injected']} injected)")
@@ -443,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             client.config_set("maxmemory-policy", "noeviction")
             result = (backlog if args.mode == "backlog" else live)(client, server.url, tmp, args)
             result.redis_version = str(client.info("server")["redis_version"])
+            result.load = os.getloadavg()[0]
             client.close()
         out = result.summary()
         print_summary(out)
