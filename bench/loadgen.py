@@ -337,6 +337,8 @@ class _StepWriter:
         self.factories = {run: [RecordFactory(run_id=run, rank=r, modules=args.modules, stats_every=args.stats_every)
                                 for r in range(args.ranks)] for run in runs}
         self.injected: dict[tuple[str, int, int], float] = {}
+        self.size = 0
+        """Bytes of the last record written."""
         self._last_nan: dict[tuple[str, int], int] = {}
 
     def _nan_rank(self, step: int, index: int, run: str) -> int:
@@ -355,8 +357,9 @@ class _StepWriter:
             nan_rank = self._nan_rank(step, index, run)
             for rank, factory in enumerate(self.factories[run]):
                 kind = "nan" if rank == nan_rank else None
-                pipe.xadd(keys.records(run, rank), {"r": encode(factory.record(step, wall, kind))},
-                          id=f"{int(wall * 1000)}-{step}")
+                data = encode(factory.record(step, wall, kind))
+                self.size = len(data)
+                pipe.xadd(keys.records(run, rank), {"r": data}, id=f"{int(wall * 1000)}-{step}")
                 if kind:
                     probes.append((run, rank, step))
                 if len(pipe) >= 2000:
@@ -417,6 +420,7 @@ def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespa
     result.lag_max = max((n for _, n in result.lag_samples), default=0)
     result.findings, found = findings_by_kind(client, runs)
     result.injected = len(writer.injected)
+    result.bytes_per_record = writer.size
     for run, eid, finding in found:
         written_at = writer.injected.get((run, finding["rank"], finding["step"]))
         if finding["kind"] == "nan" and written_at is not None:
