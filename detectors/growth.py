@@ -159,6 +159,9 @@ class GrowthDetector:
         """The growth over the whole window, else over its last ``mid_window`` or ``short_window`` points (a
         faster explosion), unless the loss fell by ``learning_drop`` over that span (learning grows them)."""
         cfg = self.config
+        needed = cfg.z_drift if quantity == "logit_z" else math.log(cfg.growth)
+        if 3.0 * float(win.y.max() - win.y.min()) < needed:
+            return None  # every span's fit and the cumulative rise skip on a range this small (exact shortcut)
         spans = sorted({n for n in (len(win), cfg.mid_window, cfg.short_window) if n <= len(win)}, reverse=True)
         for size in [0, *spans]:
             if size == 0:  # the cumulative rise since the window's lowest level (a slow, steady growth)
@@ -184,6 +187,9 @@ class GrowthDetector:
         cfg = self.config
         if quantity == "logit_z" or len(win) < cfg.mid_window:
             return None
+        window_y = win.y
+        if float(window_y.max() - window_y.min()) < math.log(cfg.growth):
+            return None  # no median of its points can rise more than the window's range: skip the medians (exact)
         end = self._lr.warmup_end  # growth from the initialisation through the warm-up is no base to measure from
         keep = win.x >= cfg.warmup_gate * end if end is not None else np.ones(len(win), dtype=bool)
         xs, ys = win.x[keep], win.y[keep]

@@ -57,7 +57,8 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._stats import Baseline, median, safe_exp
+from stability.detectors._rolling import FastBaseline, level_lower_bound
+from stability.detectors._stats import median, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.detectors.history import LrTracker
 from stability.records import StepRecord, split_signal
@@ -109,8 +110,14 @@ LAYER_GRAD = LayerJumpConfig(quantity="grad_norm", kind="grad_explosion", name="
 
 class _Series:
     def __init__(self, cfg: LayerJumpConfig) -> None:
-        self.base = Baseline(window=cfg.window, min_points=cfg.min_points, scale_floor=cfg.scale_floor)
+        self.base = FastBaseline(window=cfg.window, min_points=cfg.min_points, scale_floor=cfg.scale_floor)
+        """``_stats.Baseline``'s robust line, with its points also sorted: a cheap bound of its prediction."""
         self.quiet = 0
+
+    def surely_below(self, x: float, y: float, log_factor: float) -> bool:
+        """``y`` is less than ``log_factor`` over the baseline's prediction at ``x``, proven without fitting it
+        (:func:`~stability.detectors._rolling.level_lower_bound`); False also when it cannot be proven."""
+        return y - level_lower_bound(self.base, x) < log_factor
 
 
 class LayerJumpDetector:
@@ -183,6 +190,7 @@ class LayerJumpDetector:
         shift = self._lr_unit(record.get("lr")) if cfg.per_lr else 0.0
         jumps: list[tuple[float, str, float, float, float]] = []
         levels: dict[str, float] = {}
+        log_factor = math.log(cfg.factor)
         for name, value in record.signals.items():
             quantity, module = split_signal(name)
             if quantity != cfg.quantity or (cfg.modules_only and module is None):
@@ -197,6 +205,10 @@ class LayerJumpDetector:
             y = math.log(value) - shift
             if len(series.base) < cfg.min_points:
                 series.base.accept(record.step, y)
+                continue
+            if series.surely_below(record.step, y, log_factor):  # the common case: no line fit needed
+                series.base.accept(record.step, y)
+                series.quiet = max(0, series.quiet - 1)
                 continue
             pred = series.base.predict(record.step)
             ratio, z = safe_exp(y - pred.level), pred.z(y)
@@ -321,11 +333,12 @@ class AdamLagDetector:
         cfg = self.config
         self._lr.update(record.step, record.get("lr"))
         lags = []
+        least = min(cfg.lag, cfg.sparse_lag)  # no threshold is lower: a value under it needs none computed
         for name, value in record.signals.items():
             if split_signal(name)[0] != "adam_v_ratio" or not math.isfinite(value):
                 continue
             quiet = self._quiet.get(name, 0)
-            threshold = self._threshold(name)
+            threshold = self._threshold(name) if value >= least else math.inf
             if value >= threshold and quiet == 0:
                 lags.append((value, name))
             if value >= threshold or quiet:

@@ -91,10 +91,22 @@ _SWAP = sys.byteorder != "little"
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
 
 
+_SPLIT: dict[str, tuple[str, str | None]] = {}
+"""Memo of :func:`split_signal`: a run repeats the same few hundred names on every record, and the detectors split
+each name several times per record (a dict hit costs a third of a ``partition``)."""
+_SPLIT_MAX = 65_536
+
+
 def split_signal(name: str) -> tuple[str, str | None]:
     """Split ``"grad_norm/h.3.attn"`` into ``("grad_norm", "h.3.attn")``; a global name gives ``(name, None)``."""
-    quantity, sep, module = name.partition("/")
-    return (quantity, module) if sep else (name, None)
+    parts = _SPLIT.get(name)
+    if parts is None:
+        quantity, sep, module = name.partition("/")
+        parts = (quantity, module) if sep else (name, None)
+        if len(_SPLIT) >= _SPLIT_MAX:
+            _SPLIT.clear()
+        _SPLIT[name] = parts
+    return parts
 
 
 def check_run_id(run_id: object) -> str:
