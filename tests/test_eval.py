@@ -341,6 +341,29 @@ def test_families_generator_is_deterministic_and_faults_are_found_at_some_severi
     assert all(found.values()), found
 
 
+def test_families_gloo_replicas_agree_after_the_all_reduce_and_the_corrupted_one_is_named():
+    """The test split's replicated runs are real gloo DDP processes (family_ddp.py): the post-reduce grad norm is
+    the same on every rank except the corrupted one at the fault step, and the diagnoser names that rank."""
+    from dataclasses import replace
+
+    from stability.evaluation.families import TEMPLATES, generate_family_run, spec_for
+    from stability.evaluation.runner import stability_alarms
+
+    template = next(t for t in TEMPLATES if t.name == "dp2-rank")
+    spec = replace(spec_for(template, 7, steps=60, backend="gloo"), fault_step=43, duration=1, magnitude=50.0)
+    run = generate_family_run(spec)
+    by_step: dict[int, dict[int, float]] = {}
+    for r in run.records:
+        by_step.setdefault(r.step, {})[r.rank] = r.get("grad_norm")
+    assert sorted(by_step) == list(range(60)) and all(len(v) == 2 for v in by_step.values())
+    assert all(v[0] == v[1] for s, v in by_step.items() if s != 43)  # exact agreement, every healthy step
+    bad = by_step[43][spec.faulty_rank] / by_step[43][1 - spec.faulty_rank]
+    assert bad > 5, by_step[43]
+    assert [(e.kind, e.rank, e.onset) for e in run.events] == [("cross_rank", spec.faulty_rank, 43)]
+    blamed = {a.rank for a in stability_alarms(run.records) if a.severity != "info" and 43 <= a.step <= 45}
+    assert blamed == {spec.faulty_rank}, blamed
+
+
 def test_real_logs_are_dealt_to_both_splits_deterministically():
     from stability.evaluation.labels import EXCERPTS, real_split
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from stability.hooks.capture import Capture
 from stability.records import StepRecord, decode, encode
 from stability.testing import ListSink
 
-__all__ = ["train_ddp"]
+__all__ = ["run_ranks", "train_ddp"]
 
 
 def _worker(rank: int, spec: Any, port: int, out: Any, lr_at: Any) -> None:
@@ -65,19 +66,30 @@ def _worker(rank: int, spec: Any, port: int, out: Any, lr_at: Any) -> None:
 
 def train_ddp(spec: Any, lr_at: Any) -> list[StepRecord]:
     """Train ``spec`` with ``spec.ranks`` gloo processes; return every rank's records (by step, then rank)."""
+    return run_ranks(_worker, spec, (lr_at,), timeout=600.0)
+
+
+def run_ranks(worker: Callable[..., None], spec: Any, extra: tuple[Any, ...] = (), *,
+              timeout: float) -> list[StepRecord]:
+    """Start ``worker(rank, spec, port, out, *extra)`` in ``spec.ranks`` spawned processes (one gloo group on a
+    free port); each puts ``(rank, [encoded records])`` on ``out``. Returns every rank's records by step, then rank.
+
+    Raises:
+        RuntimeError: a rank did not report within ``timeout`` seconds.
+    """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, spec, port, out, lr_at), daemon=True) for r in range(spec.ranks)]
+    procs = [ctx.Process(target=worker, args=(r, spec, port, out, *extra), daemon=True) for r in range(spec.ranks)]
     for p in procs:
         p.start()
     records: list[StepRecord] = []
     try:
         for _ in procs:
-            _, blobs = out.get(timeout=600)
+            _, blobs = out.get(timeout=timeout)
             records += [decode(b) for b in blobs]
     except queue.Empty:
-        raise RuntimeError(f"DDP run {spec.name}: a rank did not report within 600 s") from None
+        raise RuntimeError(f"DDP run {spec.name}: a rank did not report within {timeout:.0f} s") from None
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -11,15 +11,13 @@ capture sees what it sees in a real job: DDP's bucketed backward, the clip, the 
 from __future__ import annotations
 
 import os
-import queue
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from stability.embedded import free_port
-from stability.records import StepRecord, decode, encode
+from stability.evaluation.ddp import run_ranks
+from stability.records import StepRecord, encode
 from stability.testing import ListSink
 
 __all__ = ["train_gloo"]
@@ -71,22 +69,4 @@ def _worker(rank: int, spec: Any, port: int, out: Any) -> None:
 
 def train_gloo(spec: Any) -> list[StepRecord]:
     """Train ``spec`` with ``spec.ranks`` gloo processes; return every rank's records (by step, then rank)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, spec, port, out), daemon=True) for r in range(spec.ranks)]
-    for p in procs:
-        p.start()
-    records: list[StepRecord] = []
-    try:
-        for _ in procs:
-            _, blobs = out.get(timeout=REPORT_TIMEOUT_S)
-            records += [decode(b) for b in blobs]
-    except queue.Empty:
-        raise RuntimeError(f"gloo run {spec.name}: a rank did not report within {REPORT_TIMEOUT_S:.0f} s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return sorted(records, key=lambda r: (r.step, r.rank))
+    return run_ranks(_worker, spec, timeout=REPORT_TIMEOUT_S)
