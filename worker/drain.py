@@ -448,7 +448,9 @@ class Drainer:
                 pipe.hincrby(keys.meta(self.run_id), "errors", len(rejects))
             if trim:
                 for rank in unacked:
-                    pipe.eval(_TRIM, 1, keys.records(self.run_id, rank))
+                    # execute_command: redis-py's ClusterPipeline has no eval(); EVAL itself is fine in a cluster
+                    # transaction (one key, the run's slot)
+                    pipe.execute_command("EVAL", _TRIM, 1, keys.records(self.run_id, rank))
             if extra is not None:
                 extra(pipe)
 
