@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._stats import Prediction, mad_scale, median, robust_line
+from stability.detectors._stats import Prediction, predict_line
 
 __all__ = ["FastBaseline", "SortedWindow", "level_lower_bound"]
 
@@ -172,12 +172,7 @@ class FastBaseline(SortedWindow):
     def predict(self, x: float) -> Prediction:
         """``Baseline.predict``: the robust line at ``x`` (call only with at least one point in the window)."""
         xs, ys = self.arrays()
-        if len(ys) < self.min_points:
-            return Prediction(median(ys), math.nan, len(ys))
-        level, slope = robust_line(xs, ys)
-        residuals = ys - (level + slope * (xs - xs[-1]))
-        scale = max(mad_scale(residuals), self.scale_floor)
-        return Prediction(level + slope * (x - xs[-1]), scale, len(ys))
+        return predict_line(xs, ys, x, min_points=self.min_points, scale_floor=self.scale_floor)
 
     def state_dict(self) -> dict[str, Any]:
         """``Window.state_dict``'s format (x as integers when they all are)."""

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "plural", "robust_line",
+__all__ = ["Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "plural", "predict_line",
+           "robust_line",
            "safe_exp", "times"]
 
 MAD_TO_SIGMA = 1.4826
@@ -120,6 +121,17 @@ class Prediction:
         return (y - self.level) / self.scale if self.scale == self.scale else math.nan
 
 
+def predict_line(xs: np.ndarray, ys: np.ndarray, x: float, *, min_points: int, scale_floor: float) -> Prediction:
+    """The robust line through ``(xs, ys)`` evaluated at ``x`` with its residual scale; with fewer than
+    ``min_points`` points the median and an unknown (``nan``) scale."""
+    if len(ys) < min_points:
+        return Prediction(median(ys), math.nan, len(ys))
+    level, slope = robust_line(xs, ys)
+    residuals = ys - (level + slope * (xs - xs[-1]))
+    scale = max(mad_scale(residuals), scale_floor)
+    return Prediction(level + slope * (x - xs[-1]), scale, len(ys))
+
+
 class Baseline:
     """Robust local-linear baseline over a trailing window of accepted points (see the module docstring)."""
 
@@ -133,13 +145,8 @@ class Baseline:
 
     def predict(self, x: float) -> Prediction:
         """The baseline at ``x`` (call only when at least one point is in the window)."""
-        xs, ys = self.window.x, self.window.y
-        if len(ys) < self.min_points:
-            return Prediction(median(ys), math.nan, len(ys))
-        level, slope = robust_line(xs, ys)
-        residuals = ys - (level + slope * (xs - xs[-1]))
-        scale = max(mad_scale(residuals), self.scale_floor)
-        return Prediction(level + slope * (x - xs[-1]), scale, len(ys))
+        return predict_line(self.window.x, self.window.y, x, min_points=self.min_points,
+                            scale_floor=self.scale_floor)
 
     def accept(self, x: float, y: float) -> None:
         """Add a point that was not flagged."""

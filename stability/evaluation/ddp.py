@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from stability.hooks.capture import Capture
 from stability.records import StepRecord, decode, encode
 from stability.testing import ListSink
 
-__all__ = ["run_ranks", "train_ddp"]
+__all__ = ["corrupt_gradients", "run_ranks", "train_ddp"]
 
 
 def _worker(rank: int, spec: Any, port: int, out: Any, lr_at: Any) -> None:
@@ -51,10 +51,7 @@ def _worker(rank: int, spec: Any, port: int, out: Any, lr_at: Any) -> None:
                 loss.backward()  # type: ignore[no-untyped-call]
                 if (spec.fault == "dp_rank" and rank == spec.faulty_rank
                         and spec.fault_step <= step < spec.fault_step + spec.duration):
-                    with torch.no_grad():  # silent corruption after the all-reduce, on this rank only
-                        for i, p in enumerate(model.parameters()):
-                            if i % 3 == 0 and p.grad is not None:
-                                p.grad.mul_(spec.magnitude)
+                    corrupt_gradients(model.parameters(), spec.magnitude)
                 torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
                 opt.step()
         finally:
@@ -62,6 +59,15 @@ def _worker(rank: int, spec: Any, port: int, out: Any, lr_at: Any) -> None:
         out.put((rank, [encode(r) for r in sink.records]))
     finally:
         dist.destroy_process_group()
+
+
+def corrupt_gradients(params: Iterable[torch.nn.Parameter], factor: float) -> None:
+    """The ``dp_rank`` fault: every third gradient tensor of this rank times ``factor``, after the all-reduce (a
+    silent corruption on one replica only)."""
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            if i % 3 == 0 and p.grad is not None:
+                p.grad.mul_(factor)
 
 
 def train_ddp(spec: Any, lr_at: Any) -> list[StepRecord]:

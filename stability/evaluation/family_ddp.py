@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stability.evaluation.ddp import run_ranks
+from stability.evaluation.ddp import corrupt_gradients, run_ranks
 from stability.records import StepRecord, encode
 from stability.testing import ListSink
 
@@ -54,10 +54,7 @@ def _worker(rank: int, spec: Any, port: int, out: Any) -> None:
                 opt.zero_grad(set_to_none=True)
                 loss.backward()  # type: ignore[no-untyped-call]
                 if spec.fault == "dp_rank" and rank == spec.faulty_rank and fam._in_fault(spec, step):
-                    with torch.no_grad():  # silent corruption after the all-reduce, on this rank only
-                        for i, p in enumerate(params):
-                            if i % 3 == 0 and p.grad is not None:
-                                p.grad.mul_(spec.magnitude)
+                    corrupt_gradients(params, spec.magnitude)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
         finally:
