@@ -10,7 +10,9 @@ demo: install
 test: install redis-server chromium
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest
+	# two pytest workers, one test file each at a time (module fixtures such as the evaluation corpus are built once):
+	# most end-to-end tests wait on child processes (redis-server, workers, torchrun), so two overlap on two cores.
+	$(PY) -m pytest -n 2 --dist loadfile
 
 install: .install.stamp
 
