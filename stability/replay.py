@@ -30,6 +30,7 @@ from typing import Any
 import redis
 
 from stability import keys, runstate
+from stability._files import open_private
 from stability.errors import RecordError, SourceError
 from stability.records import decode
 from stability.redis_source import connect, redact
@@ -175,7 +176,7 @@ def _start_embedded(run_dir: Path, run_id: str) -> tuple[subprocess.Popen[bytes]
     url_file.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         url_file.unlink()
-    with open(run_dir / "worker.log", "ab") as log:
+    with open_private(run_dir / "worker.log") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "stability.supervisor", "--run-dir", str(run_dir), "--run-id", run_id,
              "--watch-pid", str(os.getpid())],
