@@ -123,7 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     except StabilityError as exc:
         print(f"stability: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (``stability postmortem ... | head``): not an error to report
+        _quiet_stdout()
+        return 1
     return 1
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush to a closed pipe raises nothing."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _postmortem(args: argparse.Namespace) -> int:

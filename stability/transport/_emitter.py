@@ -7,9 +7,10 @@ duplicate. When a round trip fails, the batch and everything after it goes to th
 again (tried at most once per second, backing off to 5 s) the whole spool is replayed first, then removed.
 
 Nothing is lost silently (issue 14): a batch the spool cannot take (disk full) is counted in ``unspooled``, logged
-with the running total, and added to the run's ``lost`` count in Redis (shown by ``stability runs`` and the run's
-status); if Redis never comes back it is left in ``lost-rank<rank>`` beside the spool for ``stability replay`` or the
-next session of the run. A wrong password or TLS setting is reported once as such, not as "Redis unavailable".
+with the running total, kept in ``lost-rank<rank>`` beside the spool (reserved before the first spool write and
+rewritten in place, so a full disk can still take it) and added to the run's ``lost`` count in Redis once it answers
+(shown by ``stability runs`` and the run's status); ``stability replay`` or the next session of the run reports a
+count left there. A wrong password or TLS setting is reported once as such, not as "Redis unavailable".
 
 With a Redis Cluster URL (``redis+cluster://``, :mod:`stability.redis_url`) the client is made on the emitter
 thread at the first connection attempt, since a cluster client contacts a node when it is created: Redis being down
@@ -154,6 +155,7 @@ class Emitter:
         self._lost_pending = 0
         """Records known lost (unspooled, damaged spool regions) not yet added to the run's ``lost`` count."""
         self._misconfigured = ""
+        self._lost_reserved = False
         self._queue: queue.Queue[Entry] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
         self._done_cond = threading.Condition(self._lock)
@@ -349,6 +351,8 @@ class Emitter:
         return outcome
 
     def _to_spool(self, batch: Sequence[Entry]) -> None:
+        if not self._lost_reserved:  # while the disk has room: a later count is then written in place
+            self._lost_reserved = self._write_lost_file()
         try:
             self._spool.append(batch)
         except OSError as exc:
@@ -361,6 +365,7 @@ class Emitter:
                 "spool", logging.ERROR, "rank %d: cannot write spool %s (%s): %d records lost so far (steps %s to %s "
                 "in this batch)", self.rank, self._spool.path, exc, total, batch[0][0], batch[-1][0],
             )
+            self._write_lost_file()
             return
         self._count(spooled=len(batch))
 
@@ -465,15 +470,32 @@ class Emitter:
             self._log_limited("ended", logging.WARNING, "could not mark rank %d ended: %s", self.rank, exc)
 
     def _adopt_lost_file(self) -> None:
-        """Take over the lost count an earlier process of this rank left for a later report."""
+        """Take over the lost count an earlier process of this rank left (reported with this one's)."""
         try:
             text = self._lost_file.read_text(encoding="ascii").strip()
-        except FileNotFoundError:
+        except (FileNotFoundError, UnicodeDecodeError):
             return
+        self._lost_reserved = True
         if text.isdigit():
             with self._lock:
                 self._lost_pending += int(text)
-        self._lost_file.unlink(missing_ok=True)
+
+    def _write_lost_file(self) -> bool:
+        """Write the unreported lost count to ``lost-rank<rank>``, in place (fixed width: no new disk blocks)."""
+        with self._lock:
+            pending = self._lost_pending
+        try:
+            self._lost_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self._lost_file, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.pwrite(fd, f"{pending:>20}\n".encode("ascii"), 0)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._log_limited("lostfile", logging.ERROR, "rank %d: cannot write %s (%s)", self.rank,
+                              self._lost_file, exc)
+            return False
+        return True
 
     def _report_lost(self) -> None:
         """Add the records known lost to the run's ``lost`` count in Redis (shown in its status)."""
@@ -485,6 +507,12 @@ class Emitter:
                 self._lost_pending -= pending
             logger.error("rank %d: %d records lost on the training side (see earlier errors); recorded in run %s",
                          self.rank, pending, self.run_id)
+        if pending and self._lost_reserved:
+            if self._spool.has_data():
+                self._write_lost_file()
+            else:
+                self._lost_file.unlink(missing_ok=True)
+                self._lost_reserved = False
 
     def _keep_lost_count(self) -> None:
         """At the end: report the lost count, or leave it beside the spool when Redis cannot take it."""
@@ -493,17 +521,12 @@ class Emitter:
                 self._report_lost()
         with self._lock:
             pending = self._lost_pending
-        if not pending:
-            return
-        logger.error("rank %d: %d records could not be spooled and are lost; count kept in %s", self.rank, pending,
-                     self._lost_file)
-        try:
-            self._lost_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self._lost_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w", encoding="ascii") as out:
-                out.write(f"{pending}\n")
-        except OSError as exc:
-            logger.error("rank %d: cannot write %s (%s)", self.rank, self._lost_file, exc)
+        if pending:
+            logger.error("rank %d: %d records lost (not spooled, or damaged in the spool); count kept in %s",
+                         self.rank, pending, self._lost_file)
+            self._write_lost_file()
+        elif self._lost_reserved and not self._spool.has_data():
+            self._lost_file.unlink(missing_ok=True)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
