@@ -277,6 +277,9 @@ def test_a_malformed_url_never_shows_its_password(tmp_path: Path) -> None:
         assert worker.returncode == 2 and "Traceback" not in worker.stderr, worker.stderr[-3000:]
         assert worker.stderr.strip().splitlines()[-1].startswith("stability worker: STABILITY_REDIS_URL")
         outputs[f"worker {url}"] = worker.stdout + worker.stderr
+    postmortem = cli("postmortem", BAD_URLS[0], timeout=60)  # taken for a path: the message still hides it
+    assert postmortem.returncode == 2 and "***" in postmortem.stderr
+    outputs["postmortem"] = postmortem.stdout + postmortem.stderr
     for url in BAD_URLS:
         runs = cli("runs", url, timeout=60)
         assert runs.returncode == 2 and "Traceback" not in runs.stderr, runs.stderr[-3000:]
