@@ -79,8 +79,9 @@ def spool_files(run_dir: Path) -> dict[int, Path]:
             out[int(match.group(1))] = path
     for path in (run_dir / "spool").glob("lost-rank*"):
         rank = path.name.removeprefix("lost-rank")
-        if rank.isdigit():
-            out.setdefault(int(rank), spool_path_of(run_dir, int(rank)))
+        with contextlib.suppress(OSError, ValueError):
+            if rank.isdigit() and int(path.read_text(encoding="ascii").strip() or 0) > 0:
+                out.setdefault(int(rank), spool_path_of(run_dir, int(rank)))
     return dict(sorted(out.items()))
 
 

@@ -362,7 +362,7 @@ class Emitter:
                 total = self._counts["unspooled"]
                 self._lost_pending += len(batch)
             self._log_limited(
-                "spool", logging.ERROR, "rank %d: cannot write spool %s (%s): %d records lost so far (steps %s to %s "
+                "spool", logging.ERROR, "rank %d: cannot write spool %s (%s): %d records lost so far (entries %s to %s "
                 "in this batch)", self.rank, self._spool.path, exc, total, batch[0][0], batch[-1][0],
             )
             self._write_lost_file()
@@ -507,12 +507,11 @@ class Emitter:
                 self._lost_pending -= pending
             logger.error("rank %d: %d records lost on the training side (see earlier errors); recorded in run %s",
                          self.rank, pending, self.run_id)
-        if pending and self._lost_reserved:
-            if self._spool.has_data():
-                self._write_lost_file()
-            else:
-                self._lost_file.unlink(missing_ok=True)
-                self._lost_reserved = False
+        if self._lost_reserved and not self._spool.has_data():  # nothing left to account for
+            self._lost_file.unlink(missing_ok=True)
+            self._lost_reserved = False
+        elif pending and self._lost_reserved:
+            self._write_lost_file()
 
     def _keep_lost_count(self) -> None:
         """At the end: report the lost count, or leave it beside the spool when Redis cannot take it."""
