@@ -193,6 +193,12 @@ def _replay_file(client: redis.Redis[bytes], run_id: str, rank: int, path: Path,
                 refused += 1
                 logger.warning("%s rank %d: entry %s not replayed (%s)", run_id, rank, entry_id, result)
     client.hset(keys.meta(run_id), f"ended:{rank}", f"{time.time():.3f}")
+    lost = unspooled + (damaged if refused == 0 else 0)  # a kept spool file is read (and its damage counted) again
+    if lost:
+        client.hincrby(keys.meta(run_id), "lost", lost)
+        logger.error("%s rank %d: %d damaged spool regions skipped, %d records were never spooled", run_id, rank,
+                     damaged, unspooled)
+    lost_file.unlink(missing_ok=True)  # counted in Redis now
     if runstate.read_status(client, run_id).status in ("", runstate.RUNNING):
         # how the run ended as the training side saw it (written to status.json while Redis was down)
         local = runstate.read_status_file(run_dir)
@@ -200,11 +206,6 @@ def _replay_file(client: redis.Redis[bytes], run_id: str, rank: int, path: Path,
             runstate.mark(client, run_id, local.status, reason=local.reason, run_dir=run_dir)
         else:
             runstate.mark(client, run_id, runstate.DIED, reason="vanished while Redis was down", run_dir=run_dir)
-    if damaged + unspooled:
-        client.hincrby(keys.meta(run_id), "lost", damaged + unspooled)
-        logger.error("%s rank %d: %d damaged spool regions skipped, %d records were never spooled", run_id, rank,
-                     damaged, unspooled)
-    lost_file.unlink(missing_ok=True)  # counted in Redis now
     removed = refused == 0
     if removed:
         path.unlink(missing_ok=True)

@@ -149,6 +149,8 @@ def test_full_disk_spool_counts_every_lost_record_and_replays_the_rest_in_order(
     assert _stream_steps(client) == spooled_steps
     status = runstate.read_status(client, RUN)
     assert status.lost == stats.unspooled and f"{stats.unspooled} records lost" in status.describe()
+    local = runstate.read_status_file(run_dir)  # status.json
+    assert local is not None and local.lost == stats.unspooled
     assert not lost_path(run_dir / "spool", 0).exists() and not spool_path(run_dir / "spool", 0).exists()
     client.close()
 
