@@ -328,10 +328,12 @@ def test_a_run_directory_is_private_and_a_damaged_archive_file_does_not_abort_th
     parquet = sorted((run_dir / "archive").glob("*.parquet"))
     damaged = parquet[0].with_name("records-0-999999.parquet")
     damaged.write_bytes(parquet[0].read_bytes()[:-100])  # cut short (a full disk, a crash while copying)
-    result = cli("postmortem", str(run_dir), "-o", str(tmp_path / "out"))
+    result = cli("postmortem", str(run_dir))  # rewrites findings.json and report.html in the run directory
     assert result.returncode == 0, result.stderr[-3000:]
-    assert damaged.name in result.stderr and damaged.name in (tmp_path / "out" / "findings.json").read_text()
-    assert json.loads((tmp_path / "out" / "findings.json").read_text())["steps"] == 30
+    findings = run_dir / "findings.json"
+    assert damaged.name in result.stderr and damaged.name in findings.read_text()
+    assert json.loads(findings.read_text())["steps"] == 30
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (findings, run_dir / "report.html")} == {0o600}
 
 
 def test_spool_files_are_private(tmp_path: Path) -> None:
