@@ -279,6 +279,10 @@ def test_a_malformed_url_never_shows_its_password(tmp_path: Path) -> None:
         assert worker.returncode == 2 and "Traceback" not in worker.stderr, worker.stderr[-3000:]
         assert worker.stderr.strip().splitlines()[-1].startswith("stability worker: STABILITY_REDIS_URL")
         outputs[f"worker {url}"] = worker.stdout + worker.stderr
+    broker = subprocess.run([sys.executable, "-m", "stability.worker"], capture_output=True, text=True, timeout=60,
+                            env=_env(STABILITY_REDIS_URL="redis://127.0.0.1:1/0", STABILITY_BROKER_URL=BAD_URLS[0]))
+    assert broker.returncode == 2 and "STABILITY_BROKER_URL 'redis//:***@host:6379/0' is not a URL" in broker.stderr
+    outputs["worker broker"] = broker.stdout + broker.stderr
     postmortem = cli("postmortem", BAD_URLS[0], timeout=60)  # taken for a path: the message still hides it
     assert postmortem.returncode == 2 and "***" in postmortem.stderr
     outputs["postmortem"] = postmortem.stdout + postmortem.stderr

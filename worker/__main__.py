@@ -57,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         from stability.worker.app import app, settings
 
         _preflight(settings.client_url, "STABILITY_REDIS_URL")
+        if settings.broker_url is not None and "://" not in settings.broker_url:
+            # kombu would take it for an AMQP host name, and print it (password included) in every retry
+            from stability.redis_url import safe_url
+
+            raise ConfigError(f"STABILITY_BROKER_URL {safe_url(settings.broker_url)!r} is not a URL "
+                              "(scheme://[user:password@]host:port/...)")
         if settings.broker_url is not None and settings.broker_url.startswith(("redis://", "rediss://", "unix://")):
             _preflight(settings.broker_url, "STABILITY_BROKER_URL")
         app.worker_main(cmd)
