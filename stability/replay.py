@@ -170,7 +170,7 @@ def _replay_file(client: redis.Redis[bytes], run_id: str, rank: int, path: Path,
     pipe.hdel(keys.meta(run_id), "drained")
     pipe.execute()
     entries, reader = scan_spool(path) if path.exists() else ([], None)
-    damaged = reader.corrupt if reader is not None else 0
+    damaged = reader.damaged if reader is not None else 0
     lost_file = lost_path(path.parent, rank)
     try:
         unspooled = int(lost_file.read_text(encoding="ascii").strip() or 0)

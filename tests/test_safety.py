@@ -176,6 +176,23 @@ def test_a_damaged_region_inside_a_spool_is_skipped_counted_and_the_rest_replaye
     client.close()
 
 
+def test_a_torn_tail_left_by_a_crash_is_counted_when_it_is_cut(tmp_path: Path) -> None:
+    """A process killed mid-write left half a frame; the next emitter cuts it before appending and counts it."""
+    from stability.records import encode
+
+    spool = spool_path(tmp_path / "spool", 0)
+    spool.parent.mkdir(parents=True)
+    data = encode_frames([(f"{1000 + s}-{s}", encode(_record(s))) for s in range(5)])
+    spool.write_bytes(data[:-7])
+    emitter = Emitter(redis_url=f"redis://127.0.0.1:{free_port()}/0", run_id=RUN, spool_dir=tmp_path / "spool",
+                      timeout_s=0.2)
+    emitter.put(_record(10))
+    emitter.close(timeout=30)
+    assert (emitter.stats.spooled, emitter.stats.errors) == (1, 1)
+    assert int(lost_path(tmp_path / "spool", 0).read_text()) == 1
+    assert [parse_id(i)[1] for i, _ in scan_spool(spool)[0]] == [0, 1, 2, 3, 10]
+
+
 # -------------------------------------------------------------------------------- item 3: replay afterwards
 
 _TRAIN = textwrap.dedent("""

@@ -356,6 +356,7 @@ class Emitter:
         try:
             self._spool.append(batch)
         except OSError as exc:
+            self._count_cut_tails()
             with self._lock:
                 self._counts["errors"] += len(batch)
                 self._counts["unspooled"] += len(batch)
@@ -367,7 +368,16 @@ class Emitter:
             )
             self._write_lost_file()
             return
+        self._count_cut_tails()
         self._count(spooled=len(batch))
+
+    def _count_cut_tails(self) -> None:
+        """A torn tail the spool cut (a crash of an earlier process mid-write) held a lost record or more."""
+        cut, self._spool.tails_cut = self._spool.tails_cut, 0
+        if cut:
+            with self._lock:
+                self._counts["errors"] += cut
+                self._lost_pending += cut
 
     def _connect(self) -> None:
         """Try Redis now: register the run once, replay the spool, then mark Redis up."""
@@ -417,11 +427,11 @@ class Emitter:
             if chunk and not self._replay_chunk(chunk):
                 return False
         with self._lock:
-            self._counts["errors"] += reader.corrupt
-            self._lost_pending += reader.corrupt
+            self._counts["errors"] += reader.damaged
+            self._lost_pending += reader.damaged
         self._spool.remove()
-        skipped = f"; {reader.corrupt} damaged regions ({reader.skipped_bytes} bytes) skipped" if reader.corrupt else ""
-        level = logging.ERROR if reader.corrupt else logging.INFO
+        skipped = f"; {reader.damaged} damaged regions skipped" if reader.damaged else ""
+        level = logging.ERROR if reader.damaged else logging.INFO
         logger.log(level, "rank %d: spool %s replayed%s", self.rank, self._spool.path, skipped)
         return True
 

@@ -82,6 +82,11 @@ class SpoolReader:
         self.torn = False
         self.tail_bytes = 0
 
+    @property
+    def damaged(self) -> int:
+        """Regions skipped, the torn tail included: each held at least one record that is now lost."""
+        return self.corrupt + int(self.torn)
+
     def __iter__(self) -> Iterator[Entry]:
         self._stream.seek(0, os.SEEK_END)
         size = self._stream.tell()
@@ -208,6 +213,8 @@ class Spool:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._good_end: int | None = None
+        self.tails_cut = 0
+        """Torn tails (an earlier process's records cut by a crash mid-write) truncated before appending."""
 
     def has_data(self) -> bool:
         """Whether the file exists and is not empty."""
@@ -273,4 +280,5 @@ class Spool:
             if reader.torn:
                 logger.warning("spool %s: truncating unreadable tail at offset %d", self.path, reader.end)
                 stream.truncate(reader.end)
+                self.tails_cut += 1
             return reader.end
