@@ -121,9 +121,31 @@ def main(argv: list[str] | None = None) -> int:
             results = replay(args.run_dir, args.redis, wait_s=args.wait)
             return 1 if any(r.refused for r in results) else 0
     except StabilityError as exc:
-        print(f"stability: error: {exc}", file=sys.stderr)
+        print(f"stability: error: {_redacted(str(exc), argv)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (``stability postmortem ... | head``): not an error to report
+        _quiet_stdout()
+        return 1
     return 1
+
+
+def _redacted(message: str, argv: list[str]) -> str:
+    """``message`` without the password of any URL-like argument (a malformed URL may be taken for a path)."""
+    from stability.redis_url import scrub
+
+    for arg in argv:
+        if "@" in arg:
+            message = scrub(message, arg)
+    return message
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush to a closed pipe raises nothing."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _postmortem(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from stability._files import PRIVATE_UMASK, make_private_dir
 from stability.errors import EmbeddedServerError
 
 __all__ = ["RedisServer", "find_redis_server", "parent_death_preexec"]
@@ -126,7 +127,11 @@ class RedisServer:
         """Start the server and wait until it answers PING."""
         if self.pid is not None:
             return self
-        self.directory.mkdir(parents=True, exist_ok=True)
+        # record contents live here: 0700, files 0600, also those an older version left (issue 14 item 6)
+        make_private_dir(self.directory)
+        for path in self.directory.rglob("*"):
+            with contextlib.suppress(OSError):
+                path.chmod(0o700 if path.is_dir() else 0o600)
         args = [
             self.binary,
             "--dir", str(self.directory),
@@ -153,7 +158,7 @@ class RedisServer:
         try:
             self._proc = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=preexec,
+                preexec_fn=preexec, umask=PRIVATE_UMASK,
             )
         except OSError as exc:
             raise EmbeddedServerError(f"cannot start {self.binary}: {exc}") from None

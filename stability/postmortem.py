@@ -445,6 +445,11 @@ def write_outputs(result: PostmortemResult, records: Sequence[StepRecord], *, js
 
 def _write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.parent.stat().st_mode & 0o077 == 0:  # a private run directory keeps its files private (0600)
+        from stability._files import write_private_text
+
+        write_private_text(path, text)
+        return
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)

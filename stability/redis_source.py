@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -98,11 +97,9 @@ def connect(url: str, *, timeout: float = 5.0) -> redis.Redis[bytes]:
 
 def _scrub(message: str, url: str) -> str:
     """``message`` without the URL's password (redis-py error texts may quote the URL)."""
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        password = None
-    return message.replace(password, "***") if password else message
+    from stability.redis_url import scrub
+
+    return scrub(message, url)
 
 
 def run_ids(client: redis.Redis[bytes]) -> list[str]:

@@ -22,8 +22,8 @@ Imports redis lazily: importing this module (``stability.config`` does) costs no
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeAlias
-from urllib.parse import urlsplit
 
 from stability.errors import ConfigError
 
@@ -38,10 +38,12 @@ __all__ = [
     "RedisClient",
     "check_url",
     "connect",
+    "classify_error",
     "down_errors",
     "is_cluster_url",
     "redis_py_url",
     "safe_url",
+    "scrub",
 ]
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
@@ -107,20 +109,71 @@ def down_errors() -> tuple[type[BaseException], ...]:
     return (RedisClusterException, ClusterDownError)
 
 
+def classify_error(exc: BaseException) -> str:
+    """Why a Redis call failed: ``"auth"`` (wrong or missing password, no permission), ``"tls"`` (the TLS handshake
+    or a TLS option), ``"config"`` (another client-side setting Redis never saw), or ``"down"`` (cannot reach it now).
+
+    The first three will not get better by retrying: report them once, not as "Redis unavailable" all run.
+    """
+    import ssl
+
+    from redis import exceptions as errors
+
+    if isinstance(exc, errors.AuthenticationError | errors.AuthenticationWrongNumberOfArgsError):
+        return "auth"
+    text = str(exc)
+    if isinstance(exc, errors.ResponseError):
+        return "auth" if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")) else "down"
+    causes = [exc, exc.__cause__, exc.__context__]
+    if any(isinstance(c, ssl.SSLError | ssl.CertificateError) for c in causes) or "SSL" in text or "certif" in text:
+        return "tls"
+    if isinstance(exc, errors.ConnectionError | errors.TimeoutError | OSError | errors.RedisClusterException):
+        return "down"
+    if isinstance(exc, errors.RedisError):
+        return "config"
+    return "down"
+
+
 def safe_url(url: str) -> str:
-    """``url`` without its password, for logs and messages."""
-    try:
-        parts = urlsplit(url)
-        netloc = parts.netloc
-    except ValueError:
-        return "<unparsable url>"
-    if "@" not in netloc:
-        return url
-    userinfo, hosts = netloc.rsplit("@", 1)
-    if ":" not in userinfo:
-        return url
-    user = userinfo.split(":", 1)[0]
-    return parts._replace(netloc=f"{user}:***@{hosts}").geturl()
+    """``url`` without its password, for logs and messages; also for malformed URLs (issue 14 item 5).
+
+    Everything between the scheme and the last ``@`` is user information: its part after the first ``:`` becomes
+    ``***`` (all of it when it has no ``:``, since ``redis://s3cret@host`` may be a bare password), and
+    ``password=`` query values become ``***``. The scheme need not be well formed (``redis//:s3cret@host``).
+    """
+    text = _QUERY_PASSWORD.sub(r"\1***", url)
+    head, qmark, query = text.partition("?")
+    at = head.rfind("@")
+    if at < 0:
+        return text
+    start = _SCHEME_PREFIX.match(head)
+    begin = start.end() if start else 0
+    userinfo = head[begin:at]
+    user, colon, _password = userinfo.partition(":")
+    masked = f"{user}:***" if colon and "/" not in user else "***"
+    return f"{head[:begin]}{masked}{head[at:]}{qmark}{query}"
+
+
+def scrub(message: str, url: str) -> str:
+    """``message`` with ``url`` and its password replaced by their redacted forms (error texts may quote either)."""
+    message = message.replace(url, safe_url(url))
+    head = url.partition("?")[0]
+    at = head.rfind("@")
+    if at >= 0:
+        start = _SCHEME_PREFIX.match(head)
+        userinfo = head[start.end() if start else 0 : at]
+        secret = userinfo.partition(":")[2] or userinfo
+        if len(secret) >= 3:
+            message = message.replace(secret, "***")
+    for match in _QUERY_PASSWORD.finditer(url):
+        if len(match.group(2)) >= 3:
+            message = message.replace(match.group(2), "***")
+    return message
+
+
+_SCHEME_PREFIX = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:?/*")
+"""A scheme, well formed or not: ``redis://``, ``redis//``, ``redis:/``, ``unix:///``."""
+_QUERY_PASSWORD = re.compile(r"(?i)([?&]password=)([^&#]*)")
 
 
 def _cluster_parts(url: str, what: str) -> tuple[str, list[tuple[str, int]]]:

@@ -11,12 +11,18 @@ Target: ``--redis URL`` or ``$STABILITY_REDIS_URL``; with neither, the run's emb
 drained the run, then stops them.
 
 An entry whose ID is not above the stream's last ID and is not already in the stream cannot be added in order
-(Redis refuses it): it is counted as ``refused``, and its spool file is kept.
+(Redis refuses it): it is counted as ``refused``, and its spool file is kept. An entry the worker already read and
+trimmed away (its ID is at or below the worker group's last delivered ID) counts as already in Redis.
+
+Nothing is skipped silently: damaged spool regions (a torn write, a bad CRC) are counted and printed, and so are the
+records the emitter could not spool at all (``lost-rank<N>``, a full disk); both are added to the run's ``lost``
+count, which its status shows (:class:`stability.runstate.RunStatus`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -30,10 +36,12 @@ from typing import Any
 import redis
 
 from stability import keys, runstate
+from stability._files import open_private
 from stability.errors import RecordError, SourceError
 from stability.records import decode
 from stability.redis_source import connect, redact
-from stability.transport import read_spool
+from stability.transport import parse_id, read_spool, scan_spool
+from stability.transport._spool import lost_path
 
 __all__ = ["ReplayResult", "replay"]
 
@@ -56,23 +64,44 @@ class ReplayResult:
     """Entries Redis could not take in order (older than the stream's last entry and not in it)."""
     removed: bool
     """The spool file was deleted (everything in it is in Redis)."""
+    damaged: int = 0
+    """Damaged regions of the spool file that were skipped (each held one record or more)."""
+    unspooled: int = 0
+    """Records the training process could not write to the spool (``lost-rank<N>``)."""
 
 
 def spool_files(run_dir: Path) -> dict[int, Path]:
-    """``rank -> spool file`` of a run directory, non-empty files only."""
+    """``rank -> spool file`` of a run directory: non-empty files, and ranks that left only a lost count."""
     out = {}
     for path in (run_dir / "spool").glob("spool-rank*.bin"):
         match = _SPOOL.match(path.name)
         if match and path.stat().st_size > 0:
             out[int(match.group(1))] = path
+    for path in (run_dir / "spool").glob("lost-rank*"):
+        rank = path.name.removeprefix("lost-rank")
+        with contextlib.suppress(OSError, ValueError):
+            if rank.isdigit() and int(path.read_text(encoding="ascii").strip() or 0) > 0:
+                out.setdefault(int(rank), spool_path_of(run_dir, int(rank)))
     return dict(sorted(out.items()))
+
+
+def spool_path_of(run_dir: Path, rank: int) -> Path:
+    """``rank``'s spool file in ``run_dir`` (it may not exist)."""
+    return run_dir / "spool" / f"spool-rank{rank}.bin"
 
 
 def _run_id(run_dir: Path, files: dict[int, Path]) -> str:
     for path in files.values():
+        if not path.exists():
+            continue
         for _entry_id, payload in read_spool(path):
             with contextlib.suppress(RecordError):
                 return decode(payload).run_id
+    for name in ("run.json", runstate.STATUS_FILE):  # a rank that left only a lost count
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            run_id = json.loads((run_dir / name).read_text(encoding="utf-8")).get("run_id")
+            if isinstance(run_id, str) and run_id:
+                return run_id
     raise SourceError(f"{run_dir}: the spool holds no readable record")
 
 
@@ -103,6 +132,8 @@ def replay(run_dir: str | Path, redis_url: str | None = None, *, wait_s: float =
             for r in results:
                 echo(f"rank {r.rank}: {r.added} records replayed, {r.already} already in Redis"
                      + (f", {r.refused} refused (out of order; spool file kept)" if r.refused else "")
+                     + (f", {r.damaged} damaged spool regions skipped" if r.damaged else "")
+                     + (f", {r.unspooled} records lost (could not be spooled)" if r.unspooled else "")
                      + f" -> {redact(url)} run {run_id}")
             if supervisor is not None:
                 _wait_drained(client, run_id, supervisor, wait_s, echo)
@@ -138,7 +169,14 @@ def _replay_file(client: redis.Redis[bytes], run_id: str, rank: int, path: Path,
     pipe.hsetnx(keys.meta(run_id), "started", f"{time.time():.3f}")
     pipe.hdel(keys.meta(run_id), "drained")
     pipe.execute()
-    entries = read_spool(path)
+    entries, reader = scan_spool(path) if path.exists() else ([], None)
+    damaged = reader.damaged if reader is not None else 0
+    lost_file = lost_path(path.parent, rank)
+    try:
+        unspooled = int(lost_file.read_text(encoding="ascii").strip() or 0)
+    except (FileNotFoundError, ValueError):
+        unspooled = 0
+    delivered = _last_delivered(client, stream)
     added = already = refused = 0
     for start in range(0, len(entries), CHUNK):
         chunk = entries[start : start + CHUNK]
@@ -148,12 +186,19 @@ def _replay_file(client: redis.Redis[bytes], run_id: str, rank: int, path: Path,
         for (entry_id, _payload), result in zip(chunk, pipe.execute(raise_on_error=False), strict=True):
             if not isinstance(result, Exception):
                 added += 1
-            elif _DUPLICATE in str(result) and client.xrange(stream, min=entry_id, max=entry_id):
+            elif _DUPLICATE in str(result) and (parse_id(entry_id) <= delivered
+                                                 or client.xrange(stream, min=entry_id, max=entry_id)):
                 already += 1
             else:
                 refused += 1
                 logger.warning("%s rank %d: entry %s not replayed (%s)", run_id, rank, entry_id, result)
     client.hset(keys.meta(run_id), f"ended:{rank}", f"{time.time():.3f}")
+    lost = unspooled + (damaged if refused == 0 else 0)  # a kept spool file is read (and its damage counted) again
+    if lost:
+        client.hincrby(keys.meta(run_id), "lost", lost)
+        logger.error("%s rank %d: %d damaged spool regions skipped, %d records were never spooled", run_id, rank,
+                     damaged, unspooled)
+    lost_file.unlink(missing_ok=True)  # counted in Redis now
     if runstate.read_status(client, run_id).status in ("", runstate.RUNNING):
         # how the run ended as the training side saw it (written to status.json while Redis was down)
         local = runstate.read_status_file(run_dir)
@@ -164,7 +209,23 @@ def _replay_file(client: redis.Redis[bytes], run_id: str, rank: int, path: Path,
     removed = refused == 0
     if removed:
         path.unlink(missing_ok=True)
-    return ReplayResult(rank=rank, added=added, already=already, refused=refused, removed=removed)
+    return ReplayResult(rank=rank, added=added, already=already, refused=refused, removed=removed, damaged=damaged,
+                        unspooled=unspooled)
+
+
+def _last_delivered(client: redis.Redis[bytes], stream: str) -> tuple[int, int]:
+    """The highest ID the workers' group has read from ``stream`` (it may have been trimmed since); (0, 0): none."""
+    try:
+        groups: Any = client.xinfo_groups(stream)
+    except redis.ResponseError:  # no stream yet
+        return (0, 0)
+    best = (0, 0)
+    for group in groups:
+        last = group.get("last-delivered-id") or group.get(b"last-delivered-id")
+        if last is not None:
+            with contextlib.suppress(RecordError):
+                best = max(best, parse_id(last))
+    return best
 
 
 def _start_embedded(run_dir: Path, run_id: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -175,7 +236,7 @@ def _start_embedded(run_dir: Path, run_id: str) -> tuple[subprocess.Popen[bytes]
     url_file.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         url_file.unlink()
-    with open(run_dir / "worker.log", "ab") as log:
+    with open_private(run_dir / "worker.log") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "stability.supervisor", "--run-dir", str(run_dir), "--run-id", run_id,
              "--watch-pid", str(os.getpid())],

@@ -70,6 +70,9 @@ class RunStatus:
     time: float | None = None
     host: str = ""
     pid: int | None = None
+    lost: int = 0
+    """Records the training side could not deliver or keep (spool writes that failed, damaged spool regions): the
+    ``lost`` field of the run's meta hash, which emitters and ``stability replay`` increment."""
 
     def describe(self) -> str:
         """``running``, ``finished at step 120``, ``died at step 57 (SIGTERM)``."""
@@ -78,12 +81,14 @@ class RunStatus:
             text += f" at step {self.step}"
         if self.status == DIED and self.reason:
             text += f" ({self.reason})"
+        if self.lost:
+            text += f"; {self.lost} records lost"
         return text
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
         return {"status": self.status, "step": self.step, "reason": self.reason, "time": self.time,
-                "host": self.host, "pid": self.pid}
+                "host": self.host, "pid": self.pid, "lost": self.lost}
 
 
 def last_ids(client: redis.Redis[bytes], run_id: str) -> dict[int, tuple[int, int]]:
@@ -136,7 +141,11 @@ def mark(client: redis.Redis[bytes], run_id: str, status: str, *, reason: str = 
 def read_status(client: redis.Redis[bytes], run_id: str) -> RunStatus:
     """The recorded status of ``run_id`` (``status=""`` when none was recorded)."""
     raw: Any = client.hgetall(keys.status(run_id))
-    return from_mapping({_text(k): _text(v) for k, v in raw.items()})
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    lost: Any = client.hget(keys.meta(run_id), "lost")
+    if lost is not None:
+        fields["lost"] = _text(lost)
+    return from_mapping(fields)
 
 
 def from_mapping(fields: Mapping[str, str]) -> RunStatus:
@@ -148,22 +157,19 @@ def from_mapping(fields: Mapping[str, str]) -> RunStatus:
         except (KeyError, TypeError, ValueError):
             return None
 
-    step, pid = number("step"), number("pid")
+    step, pid, lost = number("step"), number("pid"), number("lost")
     return RunStatus(status=str(fields.get("status") or ""), step=None if step is None else int(step),
                      reason=str(fields.get("reason") or ""), time=number("time"), host=str(fields.get("host") or ""),
-                     pid=None if pid is None else int(pid))
+                     pid=None if pid is None else int(pid), lost=0 if lost is None else int(lost))
 
 
 def write_status_file(run_dir: str | Path, run_id: str, status: RunStatus) -> None:
-    """Write ``<run_dir>/status.json`` atomically (an unwritable run directory is not an error)."""
-    path = Path(run_dir) / STATUS_FILE
-    tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps({"run_id": run_id, **status.to_dict()}, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    """Write ``<run_dir>/status.json`` atomically, 0600 (an unwritable run directory is not an error)."""
+    from stability._files import write_private_text
+
+    with contextlib.suppress(OSError):
+        write_private_text(Path(run_dir) / STATUS_FILE, json.dumps({"run_id": run_id, **status.to_dict()}, indent=2)
+                           + "\n")
 
 
 def read_status_file(run_dir: str | Path) -> RunStatus | None:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from stability import keys, runstate
+from stability._files import make_private_dir, open_private, write_private_text
 from stability.config import WatchConfig
 from stability.console import ConsoleReporter
 from stability.errors import EmbeddedServerError
@@ -100,8 +101,7 @@ class Session:
     def open(cls, config: WatchConfig) -> Session:
         """Start (or connect to) Redis and the local worker, and return a session with a running emitter."""
         rank, local_rank, world = rank_from_env()
-        run_dir = config.resolved_run_dir.resolve()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = make_private_dir(config.resolved_run_dir.resolve())
         supervisor = None
         if config.redis_url is not None:
             url = config.redis_url
@@ -349,7 +349,7 @@ def _write_run_json(run_dir: Path, config: WatchConfig, meta: dict[str, str], wo
     if meta.get("wandb_project"):
         info["wandb_project"] = meta["wandb_project"]
     try:
-        (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        write_private_text(run_dir / "run.json", json.dumps(info, indent=2) + "\n")
     except OSError as exc:
         log.info("stability: could not write %s (%s)", run_dir / "run.json", exc)
 
@@ -382,7 +382,7 @@ def _start_supervisor(config: WatchConfig, run_dir: Path) -> tuple[subprocess.Po
     if not config.local_worker:
         cmd.append("--no-worker")
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    logfile = open(run_dir / "worker.log", "ab")
+    logfile = open_private(run_dir / "worker.log")
     try:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -406,7 +406,7 @@ def _start_watchdog(config: WatchConfig, run_dir: Path) -> subprocess.Popen[byte
     cmd = [sys.executable, "-m", "stability.supervisor", "--run-dir", str(run_dir), "--run-id", config.run_id,
            "--watch-pid", str(os.getpid()), "--external"]
     try:
-        with open(run_dir / "supervisor.log", "ab") as logfile:
+        with open_private(run_dir / "supervisor.log") as logfile:
             return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
                                     start_new_session=True)
     except OSError as exc:

@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="watch only: the run's records are in the Redis named by $STABILITY_WATCH_URL (kept out "
                              "of the command line: it may hold a password); start no server or worker")
     args = parser.parse_args(argv)
+    os.umask(0o077)  # the run directory is private: url, findings, report, archive, redis files (issue 14 item 6)
     redis_url = os.environ.get("STABILITY_WATCH_URL") if args.external else None
     if args.external and not redis_url:
         parser.error("--external needs STABILITY_WATCH_URL")

@@ -3,6 +3,10 @@
 Defaults: ``--pool solo`` (one process; the W&B sink keeps one diagnosis run per training run in it), beat on
 (``-B``; run exactly one beat per broker, so pass ``--no-beat`` to additional workers), INFO logging, no
 gossip/mingle/heartbeat traffic. Unknown arguments go to ``celery worker`` unchanged.
+
+Settings are checked before Celery starts (issue 14 item 7): a bad variable or URL, a wrong password or a bad TLS
+option ends the worker with one line naming the problem (password redacted) and exit code 2, instead of a traceback
+or a "cannot connect" retried forever. Redis merely down is not an error: Celery waits for it.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from stability.errors import ConfigError
 
@@ -49,15 +54,61 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"stability worker: STABILITY_REDIS_URL is not set; using {DEFAULT_REDIS_URL} "
                   "(set STABILITY_REDIS_URL=redis://HOST:PORT/DB to use another server)", file=sys.stderr, flush=True)
-        from stability.worker.app import app
+        from stability.worker.app import app, settings
 
+        _preflight(settings.client_url, "STABILITY_REDIS_URL")
+        if settings.broker_url is not None and "://" not in settings.broker_url:
+            # kombu would take it for an AMQP host name, and print it (password included) in every retry
+            from stability.redis_url import safe_url
+
+            raise ConfigError(f"STABILITY_BROKER_URL {safe_url(settings.broker_url)!r} is not a URL "
+                              "(scheme://[user:password@]host:port/...)")
+        if settings.broker_url is not None and settings.broker_url.startswith(("redis://", "rediss://", "unix://")):
+            _preflight(settings.broker_url, "STABILITY_BROKER_URL")
         app.worker_main(cmd)
     except ConfigError as exc:  # e.g. a Redis Cluster URL with no separate broker (STABILITY_BROKER_URL)
         print(f"stability worker: {exc}", file=sys.stderr, flush=True)
         return 2
+    except ValueError as exc:  # a URL part only Celery/kombu parse (the broker's port, ...)
+        print(f"stability worker: invalid setting: {_scrubbed(str(exc))}", file=sys.stderr, flush=True)
+        return 2
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     return 0
+
+
+def _preflight(url: str, name: str) -> None:
+    """One round trip to ``url`` (named ``name``): raise :class:`ConfigError` for what retrying cannot fix."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from stability.redis_url import classify_error, connect, safe_url, scrub
+
+    client: Any = None
+    try:
+        client = connect(url, socket_timeout=3.0, socket_connect_timeout=3.0, retry=Retry(NoBackoff(), 0))
+        client.ping()
+    except ConfigError as exc:
+        raise ConfigError(f"{name} {str(exc).removeprefix('redis_url ')}") from None
+    except Exception as exc:
+        kind = classify_error(exc)
+        if kind == "down":  # Celery retries the broker until Redis answers
+            return
+        what = {"auth": "authentication failed", "tls": "TLS setup failed"}.get(kind, "invalid client setting")
+        raise ConfigError(f"{name}: Redis at {safe_url(url)}: {what} ({scrub(str(exc), url)})") from None
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _scrubbed(message: str) -> str:
+    from stability.redis_url import scrub
+
+    for name in ("STABILITY_REDIS_URL", "STABILITY_BROKER_URL"):
+        url = os.environ.get(name)
+        if url:
+            message = scrub(message, url)
+    return message
 
 
 if __name__ == "__main__":

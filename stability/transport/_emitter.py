@@ -6,6 +6,12 @@ queued, so resending it is harmless: Redis rejects an ID that is not above the s
 duplicate. When a round trip fails, the batch and everything after it goes to the spool file; when Redis answers
 again (tried at most once per second, backing off to 5 s) the whole spool is replayed first, then removed.
 
+Nothing is lost silently (issue 14): a batch the spool cannot take (disk full) is counted in ``unspooled``, logged
+with the running total, kept in ``lost-rank<rank>`` beside the spool (reserved before the first spool write and
+rewritten in place, so a full disk can still take it) and added to the run's ``lost`` count in Redis once it answers
+(shown by ``stability runs`` and the run's status); ``stability replay`` or the next session of the run reports a
+count left there. A wrong password or TLS setting is reported once as such, not as "Redis unavailable".
+
 With a Redis Cluster URL (``redis+cluster://``, :mod:`stability.redis_url`) the client is made on the emitter
 thread at the first connection attempt, since a cluster client contacts a node when it is created: Redis being down
 at start then means spooling, as with one server. A rank's stream is one key, so each batch goes to one node.
@@ -13,8 +19,10 @@ at start then means spooling, as with one server. A rank's stream is one key, so
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -31,9 +39,9 @@ from redis.retry import Retry
 from stability import keys
 from stability.errors import ConfigError, RecordError
 from stability.records import StepRecord, check_run_id, encode
-from stability.redis_url import RedisClient, check_url, connect, is_cluster_url, safe_url
+from stability.redis_url import RedisClient, check_url, classify_error, connect, is_cluster_url, safe_url
 from stability.transport._ids import IdClock
-from stability.transport._spool import Entry, Spool, spool_path
+from stability.transport._spool import Entry, Spool, lost_path, spool_path
 
 __all__ = ["Emitter", "EmitterStats"]
 
@@ -41,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 RETRY_MIN_S = 1.0
 RETRY_MAX_S = 5.0
+RETRY_MISCONFIGURED_S = 30.0
+"""Retry interval after an authentication or TLS failure (a fixed ACL may let a later attempt in)."""
 _LOG_EVERY_S = 60.0
 _DUPLICATE = "equal or smaller than the target stream top item"
 _DOWN_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError, redis_errors.RedisClusterException)
@@ -74,9 +84,11 @@ class EmitterStats:
     dropped: int
     """Records refused by ``put``: queue full, emitter closed, or not encodable."""
     errors: int
-    """Records lost: refused by Redis for good, corrupt spool frames, spool writes that failed."""
+    """Records lost: refused by Redis for good, damaged spool regions, spool writes that failed."""
     duplicates: int
     """XADDs rejected because Redis already had the entry (a resend after a timeout or a repeated replay)."""
+    unspooled: int = 0
+    """Records that Redis did not take and the spool could not hold either (disk full): lost, also in ``errors``."""
 
 
 class _Outcome:
@@ -139,11 +151,17 @@ class Emitter:
         self._started = f"{time.time():.3f}"
         self._batch_max = batch_max
         self._spool = Spool(spool_path(spool_dir, rank))
+        self._lost_file = lost_path(spool_dir, rank)
+        self._lost_pending = 0
+        """Records known lost (unspooled, damaged spool regions) not yet added to the run's ``lost`` count."""
+        self._misconfigured = ""
+        self._lost_reserved = False
         self._queue: queue.Queue[Entry] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
         self._done_cond = threading.Condition(self._lock)
         self._ids = IdClock()
-        self._counts = dict.fromkeys(("queued", "sent", "spooled", "replayed", "dropped", "errors", "duplicates"), 0)
+        names = ("queued", "sent", "spooled", "replayed", "dropped", "errors", "unspooled", "duplicates")
+        self._counts = dict.fromkeys(names, 0)
         self._handled = 0
         self._closed = False
         self._stop = threading.Event()
@@ -229,6 +247,7 @@ class Emitter:
     # ----------------------------------------------------------------------------------------- emitter thread
 
     def _run(self) -> None:
+        self._guarded(self._adopt_lost_file)
         self._guarded(self._connect)
         while not (self._stop.is_set() and self._queue.empty()):
             batch = self._next_batch()
@@ -239,6 +258,7 @@ class Emitter:
         if not self._up:
             self._guarded(self._connect)
         self._guarded(self._mark_ended)
+        self._guarded(self._keep_lost_count)
         if self._client is not None:
             self._guarded(self._client.close)
 
@@ -331,13 +351,33 @@ class Emitter:
         return outcome
 
     def _to_spool(self, batch: Sequence[Entry]) -> None:
+        if not self._lost_reserved:  # while the disk has room: a later count is then written in place
+            self._lost_reserved = self._write_lost_file()
         try:
             self._spool.append(batch)
         except OSError as exc:
-            self._count(errors=len(batch))
-            self._log_limited("spool", logging.ERROR, "cannot write spool %s, records lost: %s", self._spool.path, exc)
+            self._count_cut_tails()
+            with self._lock:
+                self._counts["errors"] += len(batch)
+                self._counts["unspooled"] += len(batch)
+                total = self._counts["unspooled"]
+                self._lost_pending += len(batch)
+            self._log_limited(
+                "spool", logging.ERROR, "rank %d: cannot write spool %s (%s): %d records lost so far (entries %s to %s "
+                "in this batch)", self.rank, self._spool.path, exc, total, batch[0][0], batch[-1][0],
+            )
+            self._write_lost_file()
             return
+        self._count_cut_tails()
         self._count(spooled=len(batch))
+
+    def _count_cut_tails(self) -> None:
+        """A torn tail the spool cut (a crash of an earlier process mid-write) held a lost record or more."""
+        cut, self._spool.tails_cut = self._spool.tails_cut, 0
+        if cut:
+            with self._lock:
+                self._counts["errors"] += cut
+                self._lost_pending += cut
 
     def _connect(self) -> None:
         """Try Redis now: register the run once, replay the spool, then mark Redis up."""
@@ -350,11 +390,13 @@ class Emitter:
                 self._register()
             if self._spool.has_data() and not self._replay():
                 return
+            self._report_lost()
         except (*_DOWN_ERRORS, redis.RedisError) as exc:
             self._went_down(exc)
             return
-        if self._was_down:
+        if self._was_down or self._misconfigured:
             logger.info("Redis at %s reachable again; rank %d sends live", self._url, self.rank)
+        self._misconfigured = ""
         self._up = True
         self._was_down = False
         self._backoff = RETRY_MIN_S
@@ -384,9 +426,13 @@ class Emitter:
                     return False
             if chunk and not self._replay_chunk(chunk):
                 return False
-        self._count(errors=reader.corrupt)
+        with self._lock:
+            self._counts["errors"] += reader.damaged
+            self._lost_pending += reader.damaged
         self._spool.remove()
-        logger.info("rank %d: spool %s replayed", self.rank, self._spool.path)
+        skipped = f"; {reader.damaged} damaged regions skipped" if reader.damaged else ""
+        level = logging.ERROR if reader.damaged else logging.INFO
+        logger.log(level, "rank %d: spool %s replayed%s", self.rank, self._spool.path, skipped)
         return True
 
     def _replay_chunk(self, chunk: list[Entry]) -> bool:
@@ -401,6 +447,18 @@ class Emitter:
     def _went_down(self, exc: BaseException) -> None:
         self._up = False
         self._was_down = True
+        kind = classify_error(exc)
+        if kind != "down":  # retrying will not help: say what is wrong, once
+            self._retry_at = time.monotonic() + RETRY_MISCONFIGURED_S
+            if self._misconfigured != kind:
+                self._misconfigured = kind
+                what = {"auth": "authentication failed", "tls": "TLS setup failed"}.get(kind, "client setup failed")
+                logger.error(
+                    "Redis at %s: %s (%s: %s); rank %d keeps its records in %s: fix the setting, then "
+                    "'stability replay <run dir> --redis URL' sends them", self._url, what, type(exc).__name__, exc,
+                    self.rank, self._spool.path,
+                )
+            return
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(2 * self._backoff, RETRY_MAX_S)
         self._log_limited(
@@ -420,6 +478,64 @@ class Emitter:
             self._client.hset(keys.meta(self.run_id), f"ended:{self.rank}", f"{time.time():.3f}")
         except (*_DOWN_ERRORS, redis.RedisError) as exc:
             self._log_limited("ended", logging.WARNING, "could not mark rank %d ended: %s", self.rank, exc)
+
+    def _adopt_lost_file(self) -> None:
+        """Take over the lost count an earlier process of this rank left (reported with this one's)."""
+        try:
+            text = self._lost_file.read_text(encoding="ascii").strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            return
+        self._lost_reserved = True
+        if text.isdigit():
+            with self._lock:
+                self._lost_pending += int(text)
+
+    def _write_lost_file(self) -> bool:
+        """Write the unreported lost count to ``lost-rank<rank>``, in place (fixed width: no new disk blocks)."""
+        with self._lock:
+            pending = self._lost_pending
+        try:
+            self._lost_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self._lost_file, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.pwrite(fd, f"{pending:>20}\n".encode("ascii"), 0)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._log_limited("lostfile", logging.ERROR, "rank %d: cannot write %s (%s)", self.rank,
+                              self._lost_file, exc)
+            return False
+        return True
+
+    def _report_lost(self) -> None:
+        """Add the records known lost to the run's ``lost`` count in Redis (shown in its status)."""
+        with self._lock:
+            pending = self._lost_pending
+        if pending and self._client is not None:
+            self._client.hincrby(keys.meta(self.run_id), "lost", pending)
+            with self._lock:
+                self._lost_pending -= pending
+            logger.error("rank %d: %d records lost on the training side (see earlier errors); recorded in run %s",
+                         self.rank, pending, self.run_id)
+        if self._lost_reserved and not self._spool.has_data():  # nothing left to account for
+            self._lost_file.unlink(missing_ok=True)
+            self._lost_reserved = False
+        elif pending and self._lost_reserved:
+            self._write_lost_file()
+
+    def _keep_lost_count(self) -> None:
+        """At the end: report the lost count, or leave it beside the spool when Redis cannot take it."""
+        if self._up:
+            with contextlib.suppress(*_DOWN_ERRORS, redis.RedisError):
+                self._report_lost()
+        with self._lock:
+            pending = self._lost_pending
+        if pending:
+            logger.error("rank %d: %d records lost (not spooled, or damaged in the spool); count kept in %s",
+                         self.rank, pending, self._lost_file)
+            self._write_lost_file()
+        elif self._lost_reserved and not self._spool.has_data():
+            self._lost_file.unlink(missing_ok=True)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
