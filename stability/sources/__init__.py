@@ -106,10 +106,25 @@ def load_log(path: str | Path, *, run_id: str | None = None, fmt: str | None = N
                            events=parser.events, context=parser.context, notes=parser.notes)
     else:
         raise SourceError(f"{path}: format not recognised; expected {EXPECTED}")
+    _drop_static_scale(loaded)
     if not loaded.records and not loaded.events:
         raise SourceError(f"{path}: no training records or events found (read as {loaded.format}); expected "
                           f"{EXPECTED}")
     return loaded
+
+
+def _drop_static_scale(loaded: LoadedLog) -> None:
+    """A ``loss_scale`` of exactly 1 on every record of a segment is no dynamic loss scaling (Megatron prints
+    ``loss scale: 1.0`` in bf16 / fp32 runs): the signal is dropped there, so a static 1.0 is not read as a scale
+    collapsed to its floor."""
+    from dataclasses import replace
+
+    for seg in loaded.segments:
+        chunk = loaded.records[seg.start:seg.stop]
+        scales = {r.signals["loss_scale"] for r in chunk if "loss_scale" in r.signals}
+        if scales == {1.0}:
+            loaded.records[seg.start:seg.stop] = [
+                replace(r, signals={k: v for k, v in r.signals.items() if k != "loss_scale"}) for r in chunk]
 
 
 def load_system_log(path: str | Path, *, year: int | None = None) -> list[LogEvent]:
