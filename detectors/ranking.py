@@ -654,7 +654,7 @@ def context_causes(finding: Finding, end: int | None, *, boundaries: Sequence[Bo
     ranking of instrumented runs is unchanged):
 
     * ``software_regression``: the onset is within :data:`LOG_CONTEXT_WINDOW` steps after a resume whose start-up
-      context (versions, config) changed (0.8); or the start-up context names versions and the anomaly is there
+      context (versions, config) changed (0.96: the change is the first suspect, even for a NaN); or the start-up context names versions and the anomaly is there
       from the first logged record and persists (``from_start`` says how; 0.7).
     * ``resume_mismatch``: onset within the window after a resume and the event recovered, or the re-logged steps'
       loss differed from the first run's and converged (0.75): data order or optimizer state not restored.
@@ -698,7 +698,7 @@ def _boundary_hints(finding: Finding, end: int | None, boundaries: Sequence[Boun
         where = (f"{event} began {plural(after, 'step')} after the resume at step {b.step} (previous run logged up "
                  f"to {b.resumed_after})")
         if b.changed:
-            add("software_regression", 0.8, f"{where}; the start-up context changed: {'; '.join(b.changed[:4])}")
+            add("software_regression", 0.96, f"{where}; the start-up context changed: {'; '.join(b.changed[:4])}")
         if b.offset is not None and abs(b.offset) >= 0.05:
             if b.converged:
                 add("resume_mismatch", 0.75, f"{where}; on the steps both runs logged the loss differed by "

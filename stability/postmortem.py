@@ -35,6 +35,7 @@ import logging
 import math
 import re
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -610,8 +611,10 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
         from stability.sources import load_system_log
 
         log = log or LoadedLog(format="run directory", records=records, segments=[])
+        dated = [r.wall_time for r in records if r.wall_time > 0]
+        year = time.gmtime(max(dated)).tm_year if dated else None  # syslog dates carry no year
         for path in system_logs:
-            log.events.extend(load_system_log(path))
+            log.events.extend(load_system_log(path, year=year))
     if not records and not (log and log.events):
         raise SourceError(f"{source}: no records")
     meta = load_run_meta(source) if source.is_dir() and log is None else {"source": str(source)}
@@ -655,6 +658,7 @@ def load_source(path: str | Path, *, run_id: str | None = None, loss_averaged: b
                               f"W&B or HF Trainer files; expected {EXPECTED}")
         raise SourceError(f"{path}: format not recognised; expected {EXPECTED}")
     log = load_log(path, run_id=run_id, fmt=fmt)
-    if loss_averaged and log.records:
+    averaged = set(log.format.split("+")) & {"megatron", "hf-trainer", "hf-trainer-state", "fairseq"}
+    if log.records and (loss_averaged or (loss_averaged is None and averaged)):
         log.records = _with_loss_steps(log.records)
     return log

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from stability.console import display_remedy
@@ -47,7 +48,8 @@ def timeline_lines(result: PostmortemResult) -> list[str]:
         if event.kind in ("overflow",) or shown >= 10:
             continue
         shown += 1
-        where = f"step {event.step}" if event.step is not None else "undated"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(event.wall_time)) if event.wall_time else ""
+        where = ", ".join(x for x in (f"step {event.step}" if event.step is not None else "", when) if x) or "undated"
         lines.append(f"log event: {event.kind} ({where}): {event.message[:160]}")
     if kinds.get("overflow"):
         lines.append(f"log events: {plural(kinds['overflow'], 'fp16 overflow')}")

@@ -20,7 +20,8 @@ event:
 * fairseq: ``train_inner`` lines (``key=value, ...``, step = ``num_updates``), epoch summaries (``| key value |``),
   ``valid`` summaries (``val_`` signals), ``overflow detected, setting loss scale to: X`` and ``Minimum loss scale
   reached``.
-* nanoGPT ``iter N: loss X, time ...`` and llm.c / modded-nanogpt ``step:N/M train_loss:X`` / ``s:N trl:X``.
+* nanoGPT ``iter N: loss X, time ...`` (and user prints ``step N loss X``) and llm.c / modded-nanogpt
+  ``step:N/M train_loss:X`` / ``s:N trl:X``.
 * system lines anywhere (Xid, ECC, hung task, OOM, NCCL watchdog) and ``Traceback`` / fatal errors (``crash``).
 
 Lines starting with ``# `` are comments (provenance headers of fixture files).
@@ -93,7 +94,7 @@ _DICT_PAIR = re.compile(r"'([^']+)':\s*([^,}]+)")
 _TQDM = re.compile(r"(\d+)/(\d+) \[")
 _FAIRSEQ_INNER = re.compile(r"epoch (\d+):\s+(\d+)\s*/\s*(\d+)\s+(\w+=.*)")
 _FAIRSEQ_SUMMARY = re.compile(r"(?:^|\|)\s*(?:train \| )?epoch \d+ \|(.*)")
-_NANOGPT = re.compile(r"^iter (\d+): loss ([^,\s]+)(?:, time ([0-9.]+)ms)?")
+_NANOGPT = re.compile(r"^(?:iter|step) (\d+):? loss[:=]? ?([^,\s]+)(?:, time ([0-9.]+)ms)?")
 _LLMC = re.compile(r"^(?:step|s):(\d+)(?:/\d+)?\s+(.*)")
 _KV_COLON = re.compile(r"(\w+):(\S+)")
 _CRASH = re.compile(r"^Traceback \(most recent call last\)|FloatingPointError|RuntimeError: CUDA error|"
