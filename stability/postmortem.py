@@ -474,12 +474,22 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
     diagnoser = RunDiagnoser(config)
     alerts: list[Finding] = []
     chunks = [records[s.start:s.stop] for s in segments] if segments else [records]
+    owner: dict[int, int] = {}
+    """id(incident) -> index of the segment it was found in."""
     with _progress(len(records), progress) as advance:
-        for chunk in chunks:
+        for index, chunk in enumerate(chunks):
             for record in sorted(chunk, key=lambda r: (r.step, r.rank)):
                 alerts.extend(diagnoser.update(record))
                 advance()
+            if index + 1 < len(chunks) and segments and segments[index + 1].first_step < segments[index].last_step:
+                # the process ended here and the next one rolled back: flush what the detectors hold (every rank
+                # that logs again re-baselines), so each incident is attributed to its own segment
+                alerts.extend(diagnoser.finish())
+            for incident in diagnoser.incidents:
+                owner.setdefault(id(incident), index)
     alerts.extend(diagnoser.finish())
+    for incident in diagnoser.incidents:
+        owner.setdefault(id(incident), len(chunks) - 1)
     incidents = sorted(diagnoser.incidents, key=lambda i: (i.onset, i.rank))
     log_segments = tuple(segments or ())
     if segments is not None or events:
@@ -489,7 +499,7 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
             steps = [r.step for r in records]
             log_segments = (Segment(index=0, start=0, stop=len(records), first_step=min(steps),
                                     last_step=max(steps)),)
-        incidents, _ = apply_log_context(incidents, records, log_segments, list(events or ()))
+        incidents, _ = apply_log_context(incidents, records, log_segments, list(events or ()), owner=owner)
     return PostmortemResult(run_id=run_id, steps=len({r.step for r in records}),
                             ranks=tuple(sorted({r.rank for r in records})), incidents=tuple(incidents),
                             alerts=tuple(alerts), meta=dict(meta or {}), segments=log_segments,

@@ -21,7 +21,7 @@ import bisect
 import itertools
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from stability.detectors.base import CauseHint, Finding, Severity
@@ -184,12 +184,13 @@ def _system_findings(placed: Sequence[tuple[int, LogEvent]], last_step: int) -> 
     return out
 
 
-def _resume_findings(bounds: Sequence[Boundary], incidents: Sequence[Incident]) -> list[Finding]:
+def _resume_findings(bounds: Sequence[Boundary], incidents: Sequence[Incident],
+                     owner: Mapping[int, int]) -> list[Finding]:
     out = []
-    for b in bounds:
+    for k, b in enumerate(bounds, start=1):
         if b.offset is None or abs(b.offset) < 0.05:
             continue
-        if any(b.step <= i.onset <= b.step + LOG_CONTEXT_WINDOW for i in incidents):
+        if any(owner.get(id(i)) == k and b.step <= i.onset <= b.step + LOG_CONTEXT_WINDOW for i in incidents):
             continue  # that incident gets the cause
         cause = "resume_mismatch" if b.converged else "data_pipeline"
         how = "and converged back" if b.converged else "and stays so"
@@ -201,9 +202,15 @@ def _resume_findings(bounds: Sequence[Boundary], incidents: Sequence[Incident]) 
 
 
 def apply_log_context(incidents: list[Incident], records: Sequence[StepRecord], segments: Sequence[Segment],
-                      events: Sequence[LogEvent]) -> tuple[list[Incident], LogAnalysis]:
+                      events: Sequence[LogEvent], *, owner: Mapping[int, int] | None = None
+                      ) -> tuple[list[Incident], LogAnalysis]:
     """Add the log findings to ``incidents`` (joining an incident of the same rank within the window when there
-    is one) and the log-only causes to every incident's headline; returns the incidents sorted by onset."""
+    is one) and the log-only causes to every incident's headline; returns the incidents sorted by onset.
+
+    ``owner``: ``id(incident)`` -> index of the segment it was found in (a resume rule applies only to incidents of
+    the segment after that resume: a NaN at step 260 before a rollback to 200 is not "right after the resume").
+    """
+    owner = dict(owner or {})
     placed = place_events(events, records)
     bounds = boundaries(records, segments)
     last_step = max((r.step for r in records), default=0)
@@ -213,7 +220,8 @@ def apply_log_context(incidents: list[Incident], records: Sequence[StepRecord], 
                            versions_known=any(_VERSION_KEYS & set(c) for c in contexts),
                            from_start=_from_start(records[segments[0].start:segments[0].stop]) if segments else None)
     out = list(incidents)
-    for finding in [*_fp16_findings(placed), *_system_findings(placed, last_step), *_resume_findings(bounds, out)]:
+    found = [*_fp16_findings(placed), *_system_findings(placed, last_step), *_resume_findings(bounds, out, owner)]
+    for finding in found:
         near = [i for i in out if i.rank == finding.rank and finding.kind in _JOINS.get(i.headline.kind, ())
                 and abs(i.onset - finding.onset) <= LOG_CONTEXT_WINDOW]
         if near:
@@ -224,8 +232,11 @@ def apply_log_context(incidents: list[Incident], records: Sequence[StepRecord], 
     first = segments[0].first_step if segments else None
     for incident in out:
         head = incident.headline
-        from_start = analysis.from_start if first is not None and head.onset - first <= 10 else None
-        hints = context_causes(head, incident.end, boundaries=analysis.boundaries, system=analysis.system,
+        seg = owner.get(id(incident))
+        from_start = (analysis.from_start if first is not None and seg in (None, 0) and head.onset - first <= 10
+                      else None)
+        mine = [b for k, b in enumerate(bounds, start=1) if seg is None or seg == k]
+        hints = context_causes(head, incident.end, boundaries=mine, system=analysis.system,
                                versions_known=analysis.versions_known, from_start=from_start)
         if hints:
             index = incident.findings.index(head)

@@ -27,7 +27,7 @@ __all__ = ["ECC_XIDS", "classify", "parse_time"]
 ECC_XIDS = frozenset({48, 63, 64, 92, 94, 95})
 """Xid codes that report memory (ECC / row-remapping) errors."""
 
-_XID = re.compile(r"\bXid\b[^:]*:\s*(\d+)")
+_XID = re.compile(r"\bXid\b\s*(?:\([^)]*\))?:?\s*(\d+)")
 _ECC = re.compile(r"uncorrectable (?:ECC|memory)|double bit error|\bDBE\b|Machine Check Event|EDAC .*\bUE\b",
                   re.IGNORECASE)
 _HUNG = re.compile(r"blocked for more than (\d+) seconds")
