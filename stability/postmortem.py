@@ -464,13 +464,21 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
             events: Sequence[LogEvent] | None = None, progress: bool | None = None) -> PostmortemResult:
     """Run the detector suite over ``records`` and return the incidents; ``meta`` goes to the report.
 
-    Without ``segments`` the records may come in any order (fed by step, then rank). With them (a log source,
-    :func:`stability.sources.load_log`) each segment's records are fed in turn (by step, then rank): a resume makes
-    a rank's step go back and the detectors re-baseline, so what happened before a rollback is analysed too and
-    steps logged twice are counted once. ``segments`` or ``events`` given (a log source) also add the log findings
-    and the causes only logs evidence (:func:`stability.sources.analysis.apply_log_context`). ``progress``: a
-    progress bar on stderr (default: when stderr is a terminal and the analysis is long).
+    Without ``segments`` the records may come in any order (fed by step, then rank), unless a (rank, step) comes
+    twice: then they are taken in the given order and split where a (rank, step) repeats, as a CSV is. With
+    segments (a log source, :func:`stability.sources.load_log`) each segment's records are fed in turn (by step,
+    then rank): a resume makes a rank's step go back and the detectors re-baseline, so what happened before a
+    rollback is analysed too, and steps logged twice are counted once. Segments or ``events`` (a log source) also
+    bring the log findings and the causes only logs evidence (:func:`stability.sources.analysis.apply_log_context`).
+    ``progress``: a progress bar on stderr (default: when stderr is a terminal and the analysis is long).
     """
+    if segments is None and len({(r.rank, r.step) for r in records}) < len(records):
+        # a (rank, step) given twice: records of a resumed run in log order (e.g. load_csv's), split as a CSV is
+        builder = SegmentBuilder("table")
+        for record in records:
+            builder.add(record)
+        records, found = builder.finish()
+        segments = found if len(found) > 1 else None
     diagnoser = RunDiagnoser(config)
     alerts: list[Finding] = []
     chunks = [records[s.start:s.stop] for s in segments] if segments else [records]

@@ -65,6 +65,8 @@ def test_csv_rolled_back_after_nan_keeps_the_nan_and_puts_the_resume_on_the_time
     data = json.loads((tmp_path / "f.json").read_text())
     assert data["segments"][1]["resumed_after"] == 299
     assert "segment 2 starts at step 200 after step 299" in render_text(result)
+    page = (tmp_path / "r.html").read_text()
+    assert "<h3>Segments</h3>" in page and "<td>step went back</td><td>299</td>" in page
 
 
 def test_resume_whose_relogged_steps_are_offset_points_at_the_data_pipeline(tmp_path: Path) -> None:
@@ -288,6 +290,8 @@ def test_kernel_log_and_nccl_watchdog_give_hang_and_hardware_findings(tmp_path: 
     assert {c["cause"] for c in found["hang"]["causes"]} >= {"hang", "hardware_fault"}
     kinds = [e["kind"] for e in json.loads((tmp_path / "f.json").read_text())["log_events"]]
     assert kinds == ["nccl_timeout", "xid", "hung_task"]
+    page = (tmp_path / "r.html").read_text()
+    assert "<h3>Log events</h3>" in page and "GPU has fallen off the bus" in page
 
 
 def test_oom_kill_is_infrastructure(tmp_path: Path) -> None:

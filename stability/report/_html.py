@@ -275,6 +275,31 @@ def _incident_section(n: int, event: dict[str, Any], detail: dict[str, Any]) -> 
             f'<div class="plot" id="evidence-{n}"></div>{"".join(heat_text)}</section>')
 
 
+def _timeline_section(result: PostmortemResult) -> str:
+    """Resumes (segments) and the events the logs state (system faults, checkpoint loads, fp16 overflows)."""
+    esc = html.escape
+    if len(result.segments) <= 1 and not result.log_events:
+        return ""
+    rows = "".join(
+        f"<tr><td>{seg.index + 1}</td><td>{seg.first_step}</td><td>{seg.last_step}</td><td>{seg.stop - seg.start}</td>"
+        f"<td>{esc(seg.reason)}</td><td>{cell(seg.resumed_after)}</td></tr>" for seg in result.segments)
+    segments = ("<h3>Segments</h3><p class=\"muted\">A resume (a step going back, or a new start-up banner) starts a "
+                "new segment; each is analysed on its own baseline and re-logged steps are counted once.</p>"
+                "<table><tr><th>#</th><th>first step</th><th>last step</th><th>records</th><th>why</th>"
+                f"<th>resumed after step</th></tr>{rows}</table>") if len(result.segments) > 1 else ""
+    shown = [e for e in result.log_events if e.kind != "overflow"][:200]
+    overflows = sum(e.kind == "overflow" for e in result.log_events)
+    erows = "".join(
+        f"<tr><td>{esc(e.kind)}</td><td>{cell(e.step)}</td><td>{esc(e.host) or '-'}</td><td>{cell(e.rank)}</td>"
+        f"<td>{esc(e.message)}</td><td class=\"muted\">{esc(e.source)}</td></tr>" for e in shown)
+    events = (f"<h3>Log events</h3><p class=\"muted\">{overflows} fp16 overflow messages.</p>" if overflows else
+              "<h3>Log events</h3>")
+    if erows:
+        events += ("<table><tr><th>kind</th><th>step</th><th>host</th><th>rank</th><th>line</th><th>where</th></tr>"
+                   f"{erows}</table>")
+    return f"<h2>Timeline</h2>{segments}{events if result.log_events else ''}"
+
+
 def _events_table(events: list[dict[str, Any]]) -> str:
     if not events:
         return "<p>No instability detected.</p>"
@@ -312,7 +337,7 @@ def render_html(result: PostmortemResult, records: Sequence[StepRecord]) -> str:
         f'<h2>Time series</h2><p class="muted">Shaded: incidents from onset to end (red: error, amber: warning, '
         f'grey: info); dashed: rollback steps. All rows share the step axis.</p><div class="plot" id="overview"></div>'
         f"<h2>Incidents</h2>{sections or '<p>No warning or error incident.</p>'}{more}"
-        f"<h2>All events</h2>{_events_table(events)}"
+        f"<h2>All events</h2>{_events_table(events)}{_timeline_section(result)}"
         f"<h2>Run</h2><table>{meta}</table>"
         f'<script type="application/json" id="stability-data">{_json_for_script(payload)}</script>'
         f"{charts}<script>{_JS}</script></body></html>\n"

@@ -42,6 +42,8 @@ def sniff(path: Path) -> str:
         return _sniff_dir(path)
     if path.suffix == ".wandb":
         return "wandb-offline"
+    if path.suffix.lower() in (".csv", ".tsv"):
+        return "csv"
     if path.name.startswith("events.out.tfevents"):
         return "tensorboard"
     try:
