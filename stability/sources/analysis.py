@@ -94,7 +94,10 @@ def place_events(events: Sequence[LogEvent], records: Sequence[StepRecord]) -> l
 
 
 def _from_start(records: Sequence[StepRecord]) -> str | None:
-    first = [r for r in records if r.rank == min(x.rank for x in records)][:200]
+    if not records:
+        return None
+    rank = min(r.rank for r in records)
+    first = list(itertools.islice((r for r in records if r.rank == rank), 200))
     if len(first) < 3:
         return None
     grads = [r.signals["grad_norm"] for r in first if "grad_norm" in r.signals]
