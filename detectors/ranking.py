@@ -654,8 +654,9 @@ def context_causes(finding: Finding, end: int | None, *, boundaries: Sequence[Bo
     ranking of instrumented runs is unchanged):
 
     * ``software_regression``: the onset is within :data:`LOG_CONTEXT_WINDOW` steps after a resume whose start-up
-      context (versions, config) changed (0.96: the change is the first suspect, even for a NaN); or the start-up context names versions and the anomaly is there
-      from the first logged record and persists (``from_start`` says how; 0.7).
+      context (versions, config) changed (0.96: the change is the first suspect, even for a NaN); or the start-up
+      context names versions and the anomaly is there from the first logged record and persists (``from_start``
+      says how; 0.7).
     * ``resume_mismatch``: onset within the window after a resume and the event recovered, or the re-logged steps'
       loss differed from the first run's and converged (0.75): data order or optimizer state not restored.
     * ``data_pipeline``: the re-logged steps' loss is offset >= 5% from the first run's and stays so (0.75).

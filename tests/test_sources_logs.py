@@ -97,7 +97,7 @@ def test_megatron_log_restart_from_checkpoint_is_a_new_segment_with_the_nan_befo
 def test_megatron_version_change_at_restart_is_a_software_regression(tmp_path: Path) -> None:
     lines = (DATA / "megatron_resume.log").read_text().splitlines()
     banner = [i for i, line in enumerate(lines) if line.startswith("using world size")][1]
-    text = lines[:banner] + ["DeepSpeed info: version=0.12.4, git-hash=unknown, git-branch=unknown"] + lines[banner:]
+    text = [*lines[:banner], "DeepSpeed info: version=0.12.4, git-hash=unknown, git-branch=unknown", *lines[banner:]]
     text.insert(0, "DeepSpeed info: version=0.12.3, git-hash=unknown, git-branch=unknown")
     restart = [i for i, line in enumerate(text) if "iteration      220/" in line][-1]  # the re-logged 220
     text[restart] = text[restart].replace("grad norm: ", "grad norm: nan | x: ").replace(
@@ -313,7 +313,7 @@ def test_unknown_format_gets_one_line_naming_the_expected_formats(tmp_path: Path
     assert "\n" not in message and "format not recognised" in message and "Megatron-LM" in message
     odd = tmp_path / "odd"
     odd.mkdir()
-    with pytest.raises(SourceError, match="not a run directory.*expected"):
+    with pytest.raises(SourceError, match=r"not a run directory.*expected"):
         load_source(odd)
 
 

@@ -111,12 +111,14 @@ def hang_training() -> str:
     return "\n".join(out) + "\n"
 
 
-DMESG = """May 13 11:01:40 node07 kernel: NVRM: Xid (PCI:0000:3b:00): 79, pid=28911, name=python, GPU has fallen off the bus.
-May 13 11:01:40 node07 kernel: NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.
+DMESG = (  # a journalctl -k excerpt of the node the hung rank ran on
+    "May 13 11:01:40 node07 kernel: NVRM: Xid (PCI:0000:3b:00): 79, pid=28911, name=python, GPU has fallen off the "
+    "bus.\n"
+    """May 13 11:01:40 node07 kernel: NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.
 May 13 11:05:02 node07 kernel: INFO: task python:28911 blocked for more than 120 seconds.
 May 13 11:05:02 node07 kernel:       Tainted: P           OE     5.15.0-91-generic #101-Ubuntu
 May 13 11:05:02 node07 kernel: "echo 0 > /proc/sys/kernel/hung_task_timeout_secs" disables this message.
-"""
+""")
 
 
 def main() -> None:
