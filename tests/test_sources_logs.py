@@ -176,6 +176,20 @@ def test_loss_scale_falling_to_its_minimum_is_an_error(tmp_path: Path, name: str
                                                                       "fp16_loss_scale")]
 
 
+def test_megatron_skipped_iterations_that_do_not_stop_are_an_error(tmp_path: Path) -> None:
+    lines = []
+    for it in range(1, 121):
+        skipped, scale = (1, 4096.0) if it > 100 else (0, 4096.0)  # a static scale: every step overflows
+        lines.append(f" iteration {it:>8d}/  1000 | learning rate: 3.000000E-04 | global batch size:   128 | lm loss: "
+                     f"{3.0 - it * 0.001:.6E} | loss scale: {scale:.1f} | grad norm: 1.000 | number of skipped "
+                     f"iterations: {skipped:>3d} | number of nan iterations:   0 |")
+    path = tmp_path / "skips.log"
+    path.write_text("\n".join(lines) + "\n")
+    errors = [e for e in analyse(path, tmp_path).events if e["severity"] == "error"]
+    assert [(e["kind"], e["onset"], top(e)) for e in errors] == [("loss_scale_collapse", 101, "fp16_loss_scale")]
+    assert "20 logged steps (101-120)" in str(errors[0]["message"])
+
+
 def test_deepspeed_minimum_scale_message_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "ds.log"
     path.write_text(

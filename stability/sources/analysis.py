@@ -8,7 +8,7 @@ events, and the causes only they can evidence (:func:`~stability.detectors.ranki
   ended by successful steps) are one ``fp16_overflows`` info finding; the scale hitting its minimum, a run of
   >= :data:`OVERFLOW_RUN` overflows in a row, or a log that ends inside a run of >= :data:`END_RUN` overflows is a
   ``loss_scale_collapse`` error (``fp16_loss_scale``); so is an overflow taking the scale to
-  :data:`SCALE_FLOOR` or below.
+  :data:`SCALE_FLOOR` or below, and so is a log whose last >= :data:`END_RUN` records all skipped iterations.
 * **System events** are placed on the step axis (their own step, else the last record at or before their date,
   else the end of the log): NCCL watchdog timeouts / hung tasks are a ``hang`` error, Xid / ECC a
   ``hardware_error`` error (``hardware_fault``), OOM kills / NCCL errors an ``infrastructure`` error; each also
@@ -159,6 +159,29 @@ def _fp16_findings(placed: Sequence[tuple[int, LogEvent]]) -> list[Finding]:
     return out
 
 
+def _skipping_tail(records: Sequence[StepRecord], segments: Sequence[Segment]) -> list[Finding]:
+    """The log ends with >= :data:`END_RUN` logged steps all skipped (Megatron's ``number of skipped iterations``,
+    DeepSpeed's ``skipped=`` increase): skipped iterations that do not stop."""
+    if not segments:
+        return []
+    last = records[segments[-1].start:segments[-1].stop]
+    rank = min((r.rank for r in last), default=0)
+    tail: list[StepRecord] = []
+    for record in reversed([r for r in last if r.rank == rank]):
+        if record.signals.get("skipped", 0.0) <= 0:
+            break
+        tail.append(record)
+    if len(tail) < END_RUN:
+        return []
+    first, end = tail[-1], tail[0]
+    scale = end.signals.get("loss_scale", math.nan)
+    text = (f"the log ends with {len(tail)} logged steps ({first.step}-{end.step}) that all skipped iterations"
+            + (f", loss scale {scale:g}" if math.isfinite(scale) else "") + ": skipped iterations that do not stop")
+    found = _finding("loss_scale_collapse", end.step, Severity.ERROR, text, [("fp16_loss_scale", 0.9, text)],
+                     signal="skipped", value=end.signals.get("skipped", math.nan), rank=rank)
+    return [replace(found, onset=first.step)]
+
+
 def _system_findings(placed: Sequence[tuple[int, LogEvent]], last_step: int) -> list[Finding]:
     system = [(s, e) for s, e in placed if e.kind in SYSTEM_KINDS]
     groups = {"hang": [p for p in system if p[1].kind in ("nccl_timeout", "hung_task")],
@@ -223,7 +246,10 @@ def apply_log_context(incidents: list[Incident], records: Sequence[StepRecord], 
                            versions_known=any(_VERSION_KEYS & set(c) for c in contexts),
                            from_start=_from_start(records[segments[0].start:segments[0].stop]) if segments else None)
     out = list(incidents)
-    found = [*_fp16_findings(placed), *_system_findings(placed, last_step), *_resume_findings(bounds, out, owner)]
+    fp16 = _fp16_findings(placed)
+    if not any(f.severity is Severity.ERROR for f in fp16):
+        fp16 += _skipping_tail(records, segments)
+    found = [*fp16, *_system_findings(placed, last_step), *_resume_findings(bounds, out, owner)]
     for finding in found:
         near = [i for i in out if i.rank == finding.rank and finding.kind in _JOINS.get(i.headline.kind, ())
                 and abs(i.onset - finding.onset) <= LOG_CONTEXT_WINDOW]
