@@ -176,6 +176,23 @@ def test_loss_scale_falling_to_its_minimum_is_an_error(tmp_path: Path, name: str
                                                                       "fp16_loss_scale")]
 
 
+def test_megatron_line_variants_several_losses_and_placeholders(tmp_path: Path) -> None:
+    path = tmp_path / "variants.log"
+    path.write_text(
+        " iteration      100/  250000 | consumed samples:        12800 | elapsed time per iteration (ms): 4247.9 | "
+        "learning rate: 2.999E-04 | global batch size:   128 | lm loss: 2.100000E+00 | mtp_1 loss: 2.300000E+00 | "
+        "load_balancing_loss: 1.000000E+00 | loss scale: 1.0 | grad norm: 0.000 | number of skipped iterations:   0 |"
+        " number of nan iterations:   0 |\n"
+        " iteration      101/  250000 | lm loss: 2.090000E+00 | loss scale: 1.0 | grad norm: 0.000 |\n"
+        "[2024-02-01 09:00:00,000] [INFO] [stage_1_and_2.py:1672:step] [deepspeed] OVERFLOW! Rank 0 Skipping step. "
+        "Attempted loss scale: 65536, but hysteresis is 2. Reducing hysteresis to 1\n")
+    log = load_source(path)
+    assert log.records[0].signals["mtp_1_loss"] == 2.3 and log.records[0].signals["load_balancing_loss"] == 1.0
+    assert log.records[0].signals["loss"] == 2.1 and log.records[1].signals["loss"] == 2.09
+    assert not {"loss_scale", "grad_norm"} & set(log.records[0].signals)  # bf16's 1.0, a norm not computed
+    assert [(e.kind, e.value) for e in log.events] == [("overflow", 65536.0)]
+
+
 def test_megatron_skipped_iterations_that_do_not_stop_are_an_error(tmp_path: Path) -> None:
     lines = []
     for it in range(1, 121):

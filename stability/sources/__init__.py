@@ -115,18 +115,24 @@ def load_log(path: str | Path, *, run_id: str | None = None, fmt: str | None = N
     return loaded
 
 
+_PLACEHOLDERS = {"loss_scale": 1.0, "grad_norm": 0.0}
+"""Signal values that, on every record of a segment, mean "not computed": Megatron prints ``loss scale: 1.0`` in
+bf16 / fp32 runs (no dynamic scaling) and some builds ``grad norm: 0.000`` when the norm is not computed
+(BigScience tr1-13B)."""
+
+
 def _drop_static_scale(loaded: LoadedLog) -> None:
-    """A ``loss_scale`` of exactly 1 on every record of a segment is no dynamic loss scaling (Megatron prints
-    ``loss scale: 1.0`` in bf16 / fp32 runs): the signal is dropped there, so a static 1.0 is not read as a scale
-    collapsed to its floor."""
+    """Drop the :data:`_PLACEHOLDERS` signals from segments where they never change, so a static 1.0 is not read
+    as a loss scale collapsed to its floor, nor a 0.000 grad norm as vanished gradients."""
     from dataclasses import replace
 
     for seg in loaded.segments:
         chunk = loaded.records[seg.start:seg.stop]
-        scales = {r.signals["loss_scale"] for r in chunk if "loss_scale" in r.signals}
-        if scales == {1.0}:
+        drop = {name for name, value in _PLACEHOLDERS.items()
+                if {r.signals[name] for r in chunk if name in r.signals} == {value}}
+        if drop:
             loaded.records[seg.start:seg.stop] = [
-                replace(r, signals={k: v for k, v in r.signals.items() if k != "loss_scale"}) for r in chunk]
+                replace(r, signals={k: v for k, v in r.signals.items() if k not in drop}) for r in chunk]
 
 
 def load_system_log(path: str | Path, *, year: int | None = None) -> list[LogEvent]:

@@ -10,7 +10,8 @@ event:
   dump (``---- arguments ----`` ... ``---- end of arguments ----``) and ``using world size: ...`` are start-up
   context; a new dump after records is a new segment (a restart), ``loading checkpoint ... at iteration N`` an
   event.
-* DeepSpeed: ``OVERFLOW! Rank R Skipping step. Attempted loss scale: A, reducing to B`` (an ``overflow`` event;
+* DeepSpeed: ``OVERFLOW! Rank R Skipping step. Attempted loss scale: A, reducing to B`` (or ``..., but hysteresis
+  is H. Reducing hysteresis to H-1``: the scale stays A) (an ``overflow`` event;
   the next record is marked ``skipped`` and gets ``loss_scale`` = B when it prints none), ``step=N, skipped=K,
   lr=[...]`` (a record: ``lr``, and ``skipped`` = the increase of K), ``Current loss scale already at minimum``
   (``scale_minimum``), ``DeepSpeed info: version=...`` (context, a start-up banner).
@@ -83,7 +84,7 @@ _ARG_LINE = re.compile(r"^\s*(\S+)\s+\.{2,}\s+(.*?)\s*$")
 _WORLD = re.compile(r"using world size:\s*(\d+)(.*)")
 _SIZES = re.compile(r"([a-z\- ]+?) size:\s*(\d+)")
 _CKPT = re.compile(r"loading checkpoint (?:from .* )?at iteration (\d+)|loaded checkpoint .*? at iteration (\d+)")
-_OVERFLOW = re.compile(r"Attempted loss scale:\s*([0-9.eE+\-]+),\s*reducing to\s*([0-9.eE+\-]+)")
+_OVERFLOW = re.compile(r"Attempted loss scale:\s*([0-9.eE+\-]+),\s*(?:reducing to\s*([0-9.eE+\-]+)|but hysteresis)")
 _DS_RANK = re.compile(r"OVERFLOW! Rank (\d+)")
 _DS_STEP = re.compile(r"\bstep=(\d+),\s*skipped=(\d+),\s*lr=\[([^\]]*)\]")
 _DS_VERSION = re.compile(r"DeepSpeed info: version=([^,\s]+)")
@@ -274,7 +275,8 @@ class TextLogParser:
             match = _OVERFLOW.search(line)
             if match:
                 self._seen("deepspeed")
-                self._overflow(line, float(match.group(2)), _rank_of(_DS_RANK.search(line)))
+                # with hysteresis left DeepSpeed skips the step but keeps the scale
+                self._overflow(line, float(match.group(2) or match.group(1)), _rank_of(_DS_RANK.search(line)))
                 return True
         if "step=" in line and "skipped=" in line:
             match = _DS_STEP.search(line)
