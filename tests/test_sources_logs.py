@@ -325,6 +325,16 @@ def test_kernel_log_and_nccl_watchdog_give_hang_and_hardware_findings(tmp_path: 
     assert "<h3>Log events</h3>" in page and "GPU has fallen off the bus" in page
 
 
+def test_a_rank_whose_log_stops_while_the_others_go_on_is_a_hang(tmp_path: Path) -> None:
+    path = tmp_path / "ranks.csv"
+    rows = ["step,rank,loss"] + [f"{s},{r},{3.0 - s * 0.001:.4f}" for s in range(0, 300, 10) for r in range(4)
+                                 if not (r == 2 and s > 150)]
+    path.write_text("\n".join(rows) + "\n")
+    hangs = [e for e in analyse(path, tmp_path, loss_averaged=False).events if e["kind"] == "hang"]
+    assert [(e["rank"], e["onset"], e["severity"], top(e)) for e in hangs] == [(2, 150, "warning", "hang")]
+    assert "while other ranks logged up to step 290" in str(hangs[0]["message"])
+
+
 def test_oom_kill_is_infrastructure(tmp_path: Path) -> None:
     path = tmp_path / "train.log"
     path.write_text("".join(f"iter {i}: loss {3.0 - 0.001 * i:.4f}, time 100.00ms\n" for i in range(200))

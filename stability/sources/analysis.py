@@ -9,6 +9,7 @@ events, and the causes only they can evidence (:func:`~stability.detectors.ranki
   >= :data:`OVERFLOW_RUN` overflows in a row, or a log that ends inside a run of >= :data:`END_RUN` overflows is a
   ``loss_scale_collapse`` error (``fp16_loss_scale``); so is an overflow taking the scale to
   :data:`SCALE_FLOOR` or below, and so is a log whose last >= :data:`END_RUN` records all skipped iterations.
+* **A rank whose log stops** more than two logging intervals before the others' last step is a ``hang`` warning.
 * **System events** are placed on the step axis (their own step, else the last record at or before their date,
   else the end of the log): NCCL watchdog timeouts / hung tasks are a ``hang`` error, Xid / ECC a
   ``hardware_error`` error (``hardware_fault``), OOM kills / NCCL errors an ``infrastructure`` error; each also
@@ -182,6 +183,28 @@ def _skipping_tail(records: Sequence[StepRecord], segments: Sequence[Segment]) -
     return [replace(found, onset=first.step)]
 
 
+def _stopped_ranks(records: Sequence[StepRecord], segments: Sequence[Segment]) -> list[Finding]:
+    """A rank whose log stops (in the last segment) more than two of its logging intervals before the others'
+    last step: it hung or died while the others went on (or waited in a collective)."""
+    if not segments:
+        return []
+    last: dict[int, list[int]] = {}
+    for record in records[segments[-1].start:segments[-1].stop]:
+        last.setdefault(record.rank, []).append(record.step)
+    if len(last) < 2:
+        return []
+    newest = max(max(steps) for steps in last.values())
+    out = []
+    for rank, steps in sorted(last.items()):
+        steps.sort()
+        gaps = [b - a for a, b in itertools.pairwise(steps) if b > a]
+        interval = statistics.median(gaps) if gaps else 1
+        if newest - steps[-1] > 2 * interval and len(steps) >= 3:
+            text = f"rank {rank}'s log stops at step {steps[-1]} while other ranks logged up to step {newest}"
+            out.append(_finding("hang", steps[-1], Severity.WARNING, text, [("hang", 0.7, text)], rank=rank))
+    return out
+
+
 def _system_findings(placed: Sequence[tuple[int, LogEvent]], last_step: int) -> list[Finding]:
     system = [(s, e) for s, e in placed if e.kind in SYSTEM_KINDS]
     groups = {"hang": [p for p in system if p[1].kind in ("nccl_timeout", "hung_task")],
@@ -249,7 +272,8 @@ def apply_log_context(incidents: list[Incident], records: Sequence[StepRecord], 
     fp16 = _fp16_findings(placed)
     if not any(f.severity is Severity.ERROR for f in fp16):
         fp16 += _skipping_tail(records, segments)
-    found = [*fp16, *_system_findings(placed, last_step), *_resume_findings(bounds, out, owner)]
+    found = [*fp16, *_system_findings(placed, last_step), *_stopped_ranks(records, segments),
+             *_resume_findings(bounds, out, owner)]
     for finding in found:
         near = [i for i in out if i.rank == finding.rank and finding.kind in _JOINS.get(i.headline.kind, ())
                 and abs(i.onset - finding.onset) <= LOG_CONTEXT_WINDOW]
