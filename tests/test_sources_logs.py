@@ -240,6 +240,13 @@ def test_trainer_state_json_and_json_lines(tmp_path: Path) -> None:
     assert sniff(tmp_path) == "hf-trainer-state"
     result = analyse(tmp_path / "trainer_state.json", tmp_path)
     assert [(e["kind"], e["onset"]) for e in serious(result)] == [("nan", 260)]
+    out_dir = tmp_path / "out"  # an HF output_dir: the latest checkpoint's state holds the whole history
+    for n in (200, 400):
+        (out_dir / f"checkpoint-{n}").mkdir(parents=True)
+        (out_dir / f"checkpoint-{n}" / "trainer_state.json").write_text(
+            (tmp_path / "trainer_state.json").read_text() if n == 400 else '{"log_history": []}')
+    records = load_source(out_dir).records
+    assert len(records) == 40 and records[-1].signals["val_loss"] == 2.1  # the eval row merged into step 400
     lines = tmp_path / "metrics.jsonl"
     lines.write_text("".join(json.dumps({"iteration": s, "train/loss": 3.0, "lr": 1e-3}) + "\n" for s in range(50))
                      + json.dumps({"iteration": 10, "train/loss": 3.0}) + "\n")

@@ -73,9 +73,18 @@ def _sniff_dir(path: Path) -> str:
         return "tensorboard"
     if next(path.rglob("run-*.wandb"), None) is not None:
         return "wandb-offline"
-    if (path / "trainer_state.json").is_file():
+    if _trainer_state(path) is not None:
         return "hf-trainer-state"
     return "unknown"
+
+
+def _trainer_state(directory: Path) -> Path | None:
+    """The ``trainer_state.json`` of an HF output directory: its own, else that of the latest ``checkpoint-N``
+    (each checkpoint holds the whole log history up to N)."""
+    if (directory / "trainer_state.json").is_file():
+        return directory / "trainer_state.json"
+    found = [p for p in directory.glob("checkpoint-*/trainer_state.json") if p.parent.name[11:].isdigit()]
+    return max(found, key=lambda p: int(p.parent.name[11:])) if found else None
 
 
 def load_log(path: str | Path, *, run_id: str | None = None, fmt: str | None = None) -> LoadedLog:
@@ -96,7 +105,10 @@ def load_log(path: str | Path, *, run_id: str | None = None, fmt: str | None = N
     elif fmt == "wandb-offline":
         loaded = wandb_offline.load_wandb(path, rid)
     elif fmt == "hf-trainer-state":
-        loaded = structured.load_trainer_state(path / "trainer_state.json" if path.is_dir() else path, rid)
+        state = _trainer_state(path) if path.is_dir() else path
+        if state is None:
+            raise SourceError(f"{path}: no trainer_state.json (nor checkpoint-*/trainer_state.json)")
+        loaded = structured.load_trainer_state(state, rid)
     elif fmt == "jsonl":
         loaded = structured.load_jsonl(path, rid)
     elif fmt == "text":
