@@ -633,7 +633,7 @@ class Boundary:
     changed: tuple[str, ...] = ()
     """``"name: old -> new"`` of the start-up context (versions, config) that differs from the previous segment."""
     offset: float | None = None
-    """Median relative loss difference (new / old - 1) over steps both segments logged (None: no overlap)."""
+    """Median relative loss difference (new / old - 1) over the first re-logged steps (None: no overlap)."""
     converged: bool | None = None
     """Whether that difference had vanished (< 2%) by the end of the overlap (None: no overlap)."""
 

@@ -45,12 +45,15 @@ def analyse(path: Path, tmp_path: Path, **kwargs: object) -> PostmortemResult:
 
 # -- issue #14 item 2: a rollback must not hide the incident before it ------------------------------------------------
 
-def _rollback_csv(path: Path, relog_offset: float = 0.0) -> Path:
+def _rollback_csv(path: Path, relog_offset: float = 0.0, converge: bool = False) -> Path:
     rng = random.Random(0)
     first = {s: 1.0 + 3.0 * math.exp(-s / 400) + rng.gauss(0, 0.01) for s in range(500)}
     rows = [("step", "loss", "grad_norm")]
     rows += [(str(s), "nan" if s >= 260 else f"{first[s]:.5f}", "nan" if s >= 260 else "1.0") for s in range(300)]
-    rows += [(str(s), f"{first[s] * (1 + relog_offset):.5f}", "1.0") for s in range(200, 500)]
+
+    def offset(s: int) -> float:
+        return relog_offset * max(0.0, 1 - (s - 200) / 30) if converge else relog_offset
+    rows += [(str(s), f"{first[s] * (1 + offset(s)):.5f}", "1.0") for s in range(200, 500)]
     with path.open("w", newline="") as handle:
         csv.writer(handle).writerows(rows)
     return path
@@ -69,11 +72,26 @@ def test_csv_rolled_back_after_nan_keeps_the_nan_and_puts_the_resume_on_the_time
     assert "<h3>Segments</h3>" in page and "<td>step went back</td><td>299</td>" in page
 
 
-def test_resume_whose_relogged_steps_are_offset_points_at_the_data_pipeline(tmp_path: Path) -> None:
-    result = analyse(_rollback_csv(tmp_path / "offset.csv", relog_offset=0.2), tmp_path)
+@pytest.mark.parametrize(("converge", "cause"), [(False, "data_pipeline"), (True, "resume_mismatch")])
+def test_resume_whose_relogged_steps_are_offset(tmp_path: Path, converge: bool, cause: str) -> None:
+    result = analyse(_rollback_csv(tmp_path / "offset.csv", relog_offset=0.2, converge=converge), tmp_path)
     offsets = [e for e in result.events if e["kind"] == "resume_offset"]
     assert len(offsets) == 1 and offsets[0]["onset"] == 200 and offsets[0]["severity"] == "warning"
-    assert top(offsets[0]) == "data_pipeline" and "+20%" in str(offsets[0]["message"])
+    assert top(offsets[0]) == cause
+    assert ("converged back" if converge else "+20%") in str(offsets[0]["message"])
+
+
+def test_broken_from_the_first_step_with_versions_known_suggests_a_software_regression(tmp_path: Path) -> None:
+    """DeepSpeed#5347 / #5242 and LlamaFactory#5627: grad norm NaN and loss 0 from the start on a new version."""
+    path = tmp_path / "hf_ds.log"
+    path.write_text("[2024-04-02 10:00:00,000] [INFO] [logging.py:96:log_dist] [Rank 0] DeepSpeed info: "
+                    "version=0.14.0, git-hash=unknown, git-branch=unknown\n***** Running training *****\n"
+                    + "".join(f"{{'loss': 0.0, 'grad_norm': nan, 'learning_rate': 4.549912997495027e-06, 'epoch': "
+                              f"{i / 100:.2f}}}\n" for i in range(1, 30)))
+    result = analyse(path, tmp_path)
+    causes = {c["cause"]: c for c in serious(result)[0]["causes"]}
+    assert serious(result)[0]["onset"] == 1 and "software_regression" in causes
+    assert "non-finite on 29 of 29 lines" in causes["software_regression"]["evidence"]
 
 
 # -- Megatron-LM ----------------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def boundaries(records: Sequence[StepRecord], segments: Sequence[Segment]) -> li
                if math.isfinite(old[s]) and math.isfinite(new[s]) and old[s] > 0 and new[s] > 0]
         offset = converged = None
         if len(rel) >= 3:
-            offset = statistics.median(rel)
+            offset = statistics.median(rel[:5])  # right after the resume
             tail = rel[-max(1, len(rel) // 3):]
             converged = abs(statistics.median(tail)) < 0.02
         changed = tuple(f"{k}: {prev.context[k]} -> {v}" for k, v in seg.context.items()
