@@ -2,8 +2,9 @@
 events, and the causes only they can evidence (:func:`~stability.detectors.ranking.context_causes`).
 
 * **Resumes**: each segment after the first is a :class:`~stability.detectors.ranking.Boundary`; its loss on the
-  steps both runs logged is compared (median relative offset; converged when the last third is within 2%). An
-  offset >= 5% with no incident near is a ``resume_offset`` warning of its own.
+  steps both runs logged is compared (median relative offset of the first five re-logged steps; converged when the
+  last third of the overlap is within 2%). An offset >= 5% with no incident near is a ``resume_offset`` warning of
+  its own (``data_pipeline`` when it stays, ``resume_mismatch`` when it converges).
 * **fp16 messages** (DeepSpeed ``OVERFLOW!``, fairseq ``overflow detected``): routine overflows (each run of them
   ended by successful steps) are one ``fp16_overflows`` info finding; the scale hitting its minimum, a run of
   >= :data:`OVERFLOW_RUN` overflows in a row, or a log that ends inside a run of >= :data:`END_RUN` overflows is a
