@@ -2,6 +2,14 @@
 
 Sources:
 
+* any training log people actually have (:func:`load_source`, :mod:`stability.sources`; format sniffed):
+  Megatron-LM / Megatron-DeepSpeed / DeepSpeed / HF Trainer / fairseq / nanoGPT stdout, JSON lines, HF
+  ``trainer_state.json`` (or an output directory of checkpoints), TensorBoard event directories, W&B offline run
+  directories; plus kernel logs (``system_logs``: Xid, ECC, hung tasks, OOM kills, NCCL timeouts) on the same
+  timeline. A file not understood gets one line naming the expected formats. Resumes (a step going back, a new
+  start-up banner; in a CSV a (rank, step) given again) start a new segment: each is analysed on its own baseline,
+  the rollback is on the timeline, re-logged steps are counted once and do not hide what happened before the
+  rollback. The log-only findings and causes are in :mod:`stability.sources.analysis`.
 * a CSV file (:func:`load_csv`): ``step`` column required; every other numeric column is a signal (``loss``,
   ``grad_norm``, ``grad_norm/h.3.attn``, ...); optional ``rank``, ``run_id``, ``batch`` and ``host`` columns;
   columns with no numeric cell (``episode``, ``note``) are ignored; ``nan``, ``NAN``, ``inf``, ``Infinity`` and
