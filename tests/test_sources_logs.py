@@ -392,5 +392,10 @@ def test_cli_postmortem_of_a_log_with_a_system_log(tmp_path: Path, capsys: pytes
 
 
 def test_progress_bar_only_on_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    analyse(DATA / "megatron_resume.log", tmp_path)
+    from stability.postmortem import analyze
+
+    quiet = analyse(DATA / "megatron_resume.log", tmp_path)
     assert capsys.readouterr().err == ""  # not a TTY: nothing on stderr
+    log = load_source(DATA / "megatron_resume.log")
+    forced = analyze(log.records, "r", segments=log.segments, events=log.events, progress=True)
+    assert forced.events == quiet.events  # the bar changes nothing but stderr
