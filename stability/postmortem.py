@@ -643,7 +643,7 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
             log.events.extend(load_system_log(path, year=year))
     if not records and not (log and log.events):
         raise SourceError(f"{source}: no records")
-    meta = load_run_meta(source) if source.is_dir() and log is None else {"source": str(source)}
+    meta = load_run_meta(source) if _is_run_dir(source) else {"source": str(source)}
     if log is not None:
         meta["format"] = log.format
         meta.update({f"context.{k}": v for k, v in list(log.context.items())[:40]})
