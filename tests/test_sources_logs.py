@@ -20,6 +20,7 @@ from stability.errors import SourceError
 from stability.postmortem import PostmortemResult, load_source, run
 from stability.report import render_text
 from stability.sources import load_log, load_system_log, sniff
+from tests import wandb_files
 
 DATA = Path(__file__).parent / "data" / "logs"
 REAL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "real-runs"
@@ -324,8 +325,9 @@ def test_wandb_offline_run_directory(tmp_path: Path, monkeypatch: pytest.MonkeyP
     for step in range(80):
         wb.log({"train/loss": math.inf if step == 50 else 2.0, "grad_norm": 0.5}, step=step)
     wb.finish()
-    runs = [p for p in (tmp_path / "wandb").glob("offline-run-*")]
+    run_file = wandb_files.finished_run_file(tmp_path / "wandb", timeout=60.0)  # finish() may return before the flush
     assert sniff(tmp_path / "wandb") == "wandb-offline"
+    runs = [run_file.parent]
     log = load_source(runs[0])
     assert [r.step for r in log.records] == list(range(80)) and log.records[0].signals["loss"] == 2.0
     result = analyse(runs[0], tmp_path)
