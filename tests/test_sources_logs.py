@@ -71,6 +71,7 @@ def test_csv_rolled_back_after_nan_keeps_the_nan_and_puts_the_resume_on_the_time
     assert "segment 2 starts at step 200 after step 299" in render_text(result)
     page = (tmp_path / "r.html").read_text()
     assert "<h3>Segments</h3>" in page and "<td>step went back</td><td>299</td>" in page
+    assert '"resumes":[{"step":200,"after":299}]' in page  # the resume marked on the charts
 
 
 @pytest.mark.parametrize(("converge", "cause"), [(False, "data_pipeline"), (True, "resume_mismatch")])
