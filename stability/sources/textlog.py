@@ -145,6 +145,7 @@ class TextLogParser:
     _pending_skips: int = 0
     _pending_scale: float | None = None
     _streak: int = 0
+    _last_overflow: tuple[float, set[int]] | None = None
     _ds_skipped: dict[int, int] = field(default_factory=dict)
     _last_step: int | None = None
     _ordinal_noted: bool = False
@@ -209,6 +210,7 @@ class TextLogParser:
         self._streak = 0
 
     def _record(self, step: int, signals: dict[str, float], line: str) -> None:
+        self._last_overflow = None
         if self._pending_skips:
             signals["skipped"] = max(signals.get("skipped", 0.0), float(self._pending_skips))
             if self._pending_scale is not None and "loss_scale" not in signals:
@@ -306,6 +308,12 @@ class TextLogParser:
         return False
 
     def _overflow(self, line: str, scale: float, rank: int | None) -> None:
+        # every data-parallel rank prints the same overflow ("OVERFLOW! Rank 3 ..."): one overflow, not eight
+        same = self._last_overflow
+        if rank is not None and same is not None and same[0] == scale and rank not in same[1]:
+            same[1].add(rank)
+            return
+        self._last_overflow = (scale, {rank} if rank is not None else set())
         self._streak += 1
         self._pending_skips += 1
         self._pending_scale = scale
