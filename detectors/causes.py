@@ -98,6 +98,43 @@ _CAUSES = (
         signals="log loss has not improved over a long window outside the warm-up, with the LR above its floor.",
     ),
     Cause(
+        id="software_regression",
+        title="Software / version regression",
+        remedy="Pin the previous framework versions (or config) and re-run from the last good checkpoint; bisect "
+        "the version change (e.g. DeepSpeed 0.12.3 -> 0.12.4 broke ZeRO-2 grad norms: overlap_comm=False).",
+        signals="loss 0, grad norm NaN or a frozen LR from the first step, or right after a version/config change "
+        "at a restart (post-mortem of logs only).",
+    ),
+    Cause(
+        id="resume_mismatch",
+        title="Resume did not restore the training state",
+        remedy="Check that the optimizer state, LR scheduler, RNG and data-loader position are saved and loaded "
+        "(Megatron --no-load-optim / --no-load-rng, consumed samples); compare the re-logged steps.",
+        signals="a spike or loss offset right after a resume from a checkpoint that recovers (post-mortem of logs).",
+    ),
+    Cause(
+        id="data_pipeline",
+        title="Data pipeline changed at a resume or shard boundary",
+        remedy="Check the data-loader position, shard order and mixture after the resume; re-logged steps should "
+        "match the first run's loss.",
+        signals="the loss level shifts at a resume boundary and stays (post-mortem of logs).",
+    ),
+    Cause(
+        id="hang",
+        title="Hang: a rank stopped while the others waited",
+        remedy="Find the rank whose log stops first (NCCL watchdog names the collective); check its node "
+        "(kernel log: hung tasks, Xid), set NCCL timeouts and TORCH_NCCL_ASYNC_ERROR_HANDLING, restart from the last "
+        "checkpoint without that node.",
+        signals="the log stops; NCCL watchdog timeouts or 'blocked for more than 120 seconds' in the system log.",
+    ),
+    Cause(
+        id="infrastructure",
+        title="Infrastructure failure (host memory, network, scheduler)",
+        remedy="Check the node's memory (OOM killer), network fabric and job scheduler logs; restart from the last "
+        "checkpoint, excluding the node if it repeats.",
+        signals="OOM-killer or NCCL/communication errors in the system log near the event.",
+    ),
+    Cause(
         id="unknown",
         title="Unknown",
         remedy="Roll back to the rollback step; inspect per-layer signals around the onset.",

@@ -70,8 +70,8 @@ from stability.detectors.evidence import (
 from stability.detectors.history import History, Ring
 from stability.detectors.oddity import precursor_oddity
 
-__all__ = ["KIND_CAUSE", "Move", "Ranking", "find_move", "granger_p", "lead_lag", "lr_rise", "rank_causes",
-           "robust_move"]
+__all__ = ["KIND_CAUSE", "Boundary", "Move", "Ranking", "SystemFact", "context_causes", "find_move", "granger_p",
+           "lead_lag", "lr_rise", "merge_causes", "rank_causes", "robust_move"]
 
 MAX_SKIP_BATCHES = 64
 
@@ -614,3 +614,112 @@ def _skip_batches(finding: Finding, history: History) -> tuple[str, ...]:
         last = finding.onset
     steps = sorted(s for s in history.batches if finding.onset <= s <= last)
     return tuple(history.batches[s] for s in steps[:MAX_SKIP_BATCHES])
+
+
+# -- causes only log sources can evidence (post-mortem of training / system logs) ---------------------------------
+
+LOG_CONTEXT_WINDOW = 100
+"""Steps after a resume boundary (or around a system event) within which an onset is attributed to it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Boundary:
+    """A resume boundary read from a log: the process restarted (a step went back or a new start-up banner)."""
+
+    step: int
+    """First step of the new segment."""
+    resumed_after: int
+    """Last step logged before it."""
+    changed: tuple[str, ...] = ()
+    """``"name: old -> new"`` of the start-up context (versions, config) that differs from the previous segment."""
+    offset: float | None = None
+    """Median relative loss difference (new / old - 1) over the first re-logged steps (None: no overlap)."""
+    converged: bool | None = None
+    """Whether that difference had vanished (< 2%) by the end of the overlap (None: no overlap)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SystemFact:
+    """A system event (Xid, ECC, hung task, OOM kill, NCCL failure) placed on the step axis."""
+
+    kind: str
+    step: int
+    text: str
+
+
+def context_causes(finding: Finding, end: int | None, *, boundaries: Sequence[Boundary] = (),
+                   system: Sequence[SystemFact] = (), versions_known: bool = False,
+                   from_start: str | None = None) -> list[CauseHint]:
+    """Cause hints of ``finding`` that rest on evidence only log sources carry (none without that evidence, so the
+    ranking of instrumented runs is unchanged):
+
+    * ``software_regression``: the onset is within :data:`LOG_CONTEXT_WINDOW` steps after a resume whose start-up
+      context (versions, config) changed (0.96: the change is the first suspect, even for a NaN); or the start-up
+      context names versions and the anomaly is there from the first logged record and persists (``from_start``
+      says how; 0.7).
+    * ``resume_mismatch``: onset within the window after a resume and the event recovered, or the re-logged steps'
+      loss differed from the first run's and converged (0.75): data order or optimizer state not restored.
+    * ``data_pipeline``: the re-logged steps' loss is offset >= 5% from the first run's and stays so (0.75).
+    * ``hardware_fault`` (Xid / ECC, 0.85), ``infrastructure`` (OOM kill, NCCL failure, 0.6), ``hang`` (hung
+      task, NCCL watchdog timeout, 0.7) when such a system event lies within the window of the onset.
+    """
+    hints = _boundary_hints(finding, end, boundaries)
+    t0 = finding.onset
+
+    def add(cause: str, score: float, evidence: str) -> None:
+        hints.append(CauseHint(cause=cause, score=score, evidence=evidence, remedy=remedy(cause)))
+
+    if from_start and versions_known:
+        add("software_regression", 0.7, f"{from_start} from the first logged step with the versions of the start-up "
+                                        "banner: a software/version regression is likely")
+    for fact in system:
+        if abs(fact.step - t0) > LOG_CONTEXT_WINDOW:
+            continue
+        if fact.kind in ("xid", "ecc"):
+            add("hardware_fault", 0.85, f"system log at step ~{fact.step}: {fact.text}")
+        elif fact.kind in ("oom", "nccl_error"):
+            add("infrastructure", 0.6, f"system log at step ~{fact.step}: {fact.text}")
+        elif fact.kind in ("hung_task", "nccl_timeout"):
+            add("hang", 0.7, f"system log at step ~{fact.step}: {fact.text}")
+    return hints
+
+
+def _boundary_hints(finding: Finding, end: int | None, boundaries: Sequence[Boundary]) -> list[CauseHint]:
+    """The resume-boundary rules of :func:`context_causes`."""
+    hints: list[CauseHint] = []
+    event = _event_name(finding)
+
+    def add(cause: str, score: float, evidence: str) -> None:
+        hints.append(CauseHint(cause=cause, score=score, evidence=evidence, remedy=remedy(cause)))
+
+    for b in boundaries:
+        after = finding.onset - b.step
+        if not 0 <= after <= LOG_CONTEXT_WINDOW:
+            continue
+        where = (f"{event} began {plural(after, 'step')} after the resume at step {b.step} (previous run logged up "
+                 f"to {b.resumed_after})")
+        if b.changed:
+            add("software_regression", 0.96, f"{where}; the start-up context changed: {'; '.join(b.changed[:4])}")
+        if b.offset is not None and abs(b.offset) >= 0.05:
+            if b.converged:
+                add("resume_mismatch", 0.75, f"{where}; on the steps both runs logged the loss differed by "
+                                             f"{b.offset:+.0%} and converged back")
+            else:
+                add("data_pipeline", 0.75, f"{where}; on the steps both runs logged the loss is offset by "
+                                           f"{b.offset:+.0%} and stays so (different data at the same step)")
+        elif end is not None and (b.offset is None or b.converged):
+            add("resume_mismatch", 0.6, f"{where} and recovered by step {end}: a resume transient (data order or "
+                                        f"optimizer state not restored)")
+    return hints
+
+
+def merge_causes(causes: Sequence[CauseHint], extra: Sequence[CauseHint]) -> tuple[CauseHint, ...]:
+    """``causes`` plus ``extra`` (the higher score per cause), best first; an ``unknown`` placeholder is dropped
+    once another cause is named."""
+    best: dict[str, CauseHint] = {}
+    for hint in [*causes, *extra]:
+        if hint.cause not in best or hint.score > best[hint.cause].score:
+            best[hint.cause] = hint
+    if len(best) > 1:
+        best.pop("unknown", None)
+    return tuple(sorted(best.values(), key=lambda h: -h.score))

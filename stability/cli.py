@@ -54,8 +54,10 @@ def _parser() -> argparse.ArgumentParser:
                     "and <stem>.report.html beside it; a Redis run <run id>.findings.json and <run id>.report.html "
                     "in the current directory) or into -o DIR.",
     )  # fmt: skip
-    pm.add_argument("source", help="run directory, CSV file (column 'step' plus signal columns), or "
-                    "redis://HOST:PORT/DB, rediss://..., unix:///path/redis.sock with --run ID")
+    pm.add_argument("source", help="run directory, CSV file (column 'step' plus signal columns), a training log "
+                    "(Megatron-LM/DeepSpeed/HF Trainer/fairseq stdout, JSON lines, trainer_state.json), a TensorBoard "
+                    "or W&B offline run directory, or redis://HOST:PORT/DB, rediss://..., unix:///path/redis.sock "
+                    "with --run ID")
     pm.add_argument("-o", "--out-dir", type=Path, default=None, help="write findings and report into this directory")
     pm.add_argument("--json", dest="json_out", type=Path, default=None,
                     help="findings JSON path (overrides the default)")
@@ -69,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     pm.add_argument("--loss-averaged", choices=("auto", "yes", "no"), default="auto",
                     help="each CSV loss is the mean over the log interval (Megatron, HF Trainer); auto: yes for "
                     "files with Megatron's consumed_samples and skipped_iters columns")
+    pm.add_argument("--system-log", dest="system_logs", type=Path, action="append", default=[], metavar="PATH",
+                    help="a kernel log of the run's nodes (dmesg, journalctl -k): Xid, ECC, hung tasks, OOM kills "
+                    "and NCCL timeouts go on the same timeline (repeatable)")
 
     runs = sub.add_parser("runs", help="list the runs in a Redis (status, ranks, last step, incidents, run dir)",
                           description="List the runs in a Redis: status (running / finished / died at step N), "
@@ -161,7 +166,7 @@ def _postmortem(args: argparse.Namespace) -> int:
         json_default, html_default = postmortem.default_outputs(source, args.out_dir)
         json_out, html_out = args.json_out or json_default, args.html_out or html_default
         result = postmortem.run(source, json_out=json_out, html_out=html_out, run_id=args.run_id,
-                                loss_averaged=averaged)
+                                loss_averaged=averaged, system_logs=args.system_logs)
     print(report.render_text(result))
     print(f"findings: {json_out}")
     print(f"report:   {html_out}")

@@ -2,6 +2,14 @@
 
 Sources:
 
+* any training log people actually have (:func:`load_source`, :mod:`stability.sources`; format sniffed):
+  Megatron-LM / Megatron-DeepSpeed / DeepSpeed / HF Trainer / fairseq / nanoGPT stdout, JSON lines, HF
+  ``trainer_state.json`` (or an output directory of checkpoints), TensorBoard event directories, W&B offline run
+  directories; plus kernel logs (``system_logs``: Xid, ECC, hung tasks, OOM kills, NCCL timeouts) on the same
+  timeline. A file not understood gets one line naming the expected formats. Resumes (a step going back, a new
+  start-up banner; in a CSV a (rank, step) given again) start a new segment: each is analysed on its own baseline,
+  the rollback is on the timeline, re-logged steps are counted once and do not hide what happened before the
+  rollback. The log-only findings and causes are in :mod:`stability.sources.analysis`.
 * a CSV file (:func:`load_csv`): ``step`` column required; every other numeric column is a signal (``loss``,
   ``grad_norm``, ``grad_norm/h.3.attn``, ...); optional ``rank``, ``run_id``, ``batch`` and ``host`` columns;
   columns with no numeric cell (``episode``, ``note``) are ignored; ``nan``, ``NAN``, ``inf``, ``Infinity`` and
@@ -27,13 +35,16 @@ Sources:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import itertools
 import json
 import logging
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +55,7 @@ from stability.detectors.causes import remedy
 from stability.detectors.engine import DiagnoserConfig, Incident, RunDiagnoser
 from stability.errors import RecordError, SourceError
 from stability.records import StepRecord, decode
+from stability.sources import LoadedLog, LogEvent, Segment, SegmentBuilder
 
 __all__ = [
     "PostmortemResult",
@@ -52,6 +64,7 @@ __all__ = [
     "load_archive",
     "load_csv",
     "load_csv_groups",
+    "load_csv_log",
     "load_run_dir",
     "load_run_meta",
     "run",
@@ -112,13 +125,10 @@ def _numeric_columns(path: Path, header: list[str], rows: list[list[str]], skip:
     return numeric
 
 
-def load_csv_groups(path: str | Path, group_column: str | None = None, *, step_column: str = "step",
-                    rename: Mapping[str, str] | None = None, run_id: str | None = None,
-                    loss_averaged: bool | None = None) -> dict[str, list[StepRecord]]:
-    """Like :func:`load_csv`, split by the text of ``group_column`` (e.g. ``episode`` of an excerpt file).
-
-    Without ``group_column`` everything is one group named ``""``.
-    """
+def _load_csv_logs(path: str | Path, group_column: str | None = None, *, step_column: str = "step",
+                   rename: Mapping[str, str] | None = None, run_id: str | None = None,
+                   loss_averaged: bool | None = None) -> dict[str, LoadedLog]:
+    """The CSV's records per group, each split into segments (a (rank, step) repeated: a resume)."""
     path = Path(path)
     header, rows = _read_rows(path)
     if step_column not in header:
@@ -129,7 +139,7 @@ def load_csv_groups(path: str | Path, group_column: str | None = None, *, step_c
     skip = {step_column, *_META_COLUMNS, *([group_column] if group_column else [])}
     signal_cols = [(i, (rename or {}).get(header[i], header[i])) for i in _numeric_columns(path, header, rows, skip)]
     default_run = run_id or _run_id_from(path)
-    groups: dict[str, dict[tuple[int, int], StepRecord]] = {}
+    groups: dict[str, SegmentBuilder] = {}
     for line, row in enumerate(rows, start=2):
         if not any(cell.strip() for cell in row):
             continue
@@ -142,14 +152,32 @@ def load_csv_groups(path: str | Path, group_column: str | None = None, *, step_c
         host = cells[index["host"]].strip() if "host" in index else ""
         record = StepRecord(run_id=rid or default_run, step=step, rank=rank, signals=signals, batch=batch, host=host)
         key = cells[index[group_column]].strip() if group_column else ""
-        groups.setdefault(key, {})[(rank, step)] = record
+        if key not in groups:
+            groups[key] = SegmentBuilder("table")
+        groups[key].add(record)
     if loss_averaged is None:
         loss_averaged = set(_MEGATRON_FIELDS) <= set(header)
         if loss_averaged:
             logger.info("%s: Megatron log fields present: each loss is taken as the mean over the log interval",
                         path)
-    out = {key: sorted(recs.values(), key=lambda r: (r.rank, r.step)) for key, recs in groups.items()}
-    return {key: _with_loss_steps(recs) for key, recs in out.items()} if loss_averaged else out
+    out: dict[str, LoadedLog] = {}
+    for key, builder in groups.items():
+        records, segments = builder.finish()
+        out[key] = LoadedLog(format="csv", records=_with_loss_steps(records) if loss_averaged else records,
+                             segments=segments)
+    return out
+
+
+def load_csv_groups(path: str | Path, group_column: str | None = None, *, step_column: str = "step",
+                    rename: Mapping[str, str] | None = None, run_id: str | None = None,
+                    loss_averaged: bool | None = None) -> dict[str, list[StepRecord]]:
+    """Like :func:`load_csv`, split by the text of ``group_column`` (e.g. ``episode`` of an excerpt file).
+
+    Without ``group_column`` everything is one group named ``""``.
+    """
+    logs = _load_csv_logs(path, group_column, step_column=step_column, rename=rename, run_id=run_id,
+                          loss_averaged=loss_averaged)
+    return {key: log.records for key, log in logs.items()}
 
 
 def _with_loss_steps(records: list[StepRecord]) -> list[StepRecord]:
@@ -180,7 +208,8 @@ def _int_cell(path: Path, line: int, column: str, cell: str) -> int:
 
 def load_csv(path: str | Path, *, step_column: str = "step", rename: Mapping[str, str] | None = None,
              run_id: str | None = None, loss_averaged: bool | None = None) -> list[StepRecord]:
-    """Read a CSV of per-step signals into records, sorted by step within each rank.
+    """Read a CSV of per-step signals into records, sorted by step within each rank (segment by segment when a
+    (rank, step) repeats: a resume, see :func:`load_csv_log`).
 
     Args:
         path: the CSV file.
@@ -193,9 +222,17 @@ def load_csv(path: str | Path, *, step_column: str = "step", rename: Mapping[str
     Raises:
         SourceError: unreadable file, no step column, or a cell that is not a number (names file, line, column).
     """
-    groups = load_csv_groups(path, None, step_column=step_column, rename=rename, run_id=run_id,
-                             loss_averaged=loss_averaged)
-    return groups.get("", [])
+    return load_csv_log(path, step_column=step_column, rename=rename, run_id=run_id,
+                        loss_averaged=loss_averaged).records
+
+
+def load_csv_log(path: str | Path, *, step_column: str = "step", rename: Mapping[str, str] | None = None,
+                 run_id: str | None = None, loss_averaged: bool | None = None) -> LoadedLog:
+    """:func:`load_csv` with its segments: a row whose (rank, step) the file already holds starts a new segment
+    (the run was rolled back and resumed); records come segment by segment, each sorted by (rank, step)."""
+    logs = _load_csv_logs(path, None, step_column=step_column, rename=rename, run_id=run_id,
+                          loss_averaged=loss_averaged)
+    return logs.get("", LoadedLog(format="csv", records=[], segments=[]))
 
 
 def load_run_dir(path: str | Path, *, damaged: list[str] | None = None) -> list[StepRecord]:
@@ -350,6 +387,10 @@ class PostmortemResult:
     """The findings the online worker would have alerted on."""
     meta: Mapping[str, str] = field(default_factory=dict)
     """Run metadata (host, versions, config, W&B link, ...), shown in the report."""
+    segments: tuple[Segment, ...] = ()
+    """The source's segments (one per process lifetime; a resume starts a new one), when it has several."""
+    log_events: tuple[LogEvent, ...] = ()
+    """Events the logs state (fp16 overflows, checkpoint loads, system faults), on the timeline."""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -370,12 +411,37 @@ class PostmortemResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (non-finite values as strings)."""
-        return {"run_id": self.run_id, "steps": self.steps, "ranks": list(self.ranks), "counts": self.counts,
-                "meta": dict(self.meta), "events": self.events}
+        out = {"run_id": self.run_id, "steps": self.steps, "ranks": list(self.ranks), "counts": self.counts,
+               "meta": dict(self.meta), "events": self.events}
+        if len(self.segments) > 1:
+            out["segments"] = [s.to_dict() for s in self.segments]
+        if self.log_events:
+            shown = _shown_events(self.log_events)
+            out["log_events"] = [e.to_dict() for e in shown]
+            if len(shown) < len(self.log_events):
+                out["log_events_omitted"] = len(self.log_events) - len(shown)
+        return out
 
     def to_json(self) -> str:
         """The report as strict JSON text: ``{"run_id", "steps", "events": [...]}``."""
         return json.dumps(self.to_dict(), indent=2, allow_nan=False)
+
+
+MAX_LOG_EVENTS = 200
+"""Log events listed in the findings JSON (the first and last of each kind beyond that are kept)."""
+
+
+def _shown_events(events: Sequence[LogEvent]) -> list[LogEvent]:
+    if len(events) <= MAX_LOG_EVENTS:
+        return list(events)
+    per_kind: dict[str, list[int]] = {}
+    for i, event in enumerate(events):
+        per_kind.setdefault(event.kind, []).append(i)
+    share = max(2, MAX_LOG_EVENTS // max(1, len(per_kind)))
+    keep: set[int] = set()
+    for indices in per_kind.values():
+        keep.update(indices[: share // 2] + indices[-(share - share // 2):])
+    return [events[i] for i in sorted(keep)]
 
 
 def _event(incident: Incident) -> dict[str, Any]:
@@ -402,18 +468,86 @@ def _event(incident: Incident) -> dict[str, Any]:
 
 
 def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConfig | None = None,
-            meta: Mapping[str, str] | None = None) -> PostmortemResult:
-    """Run the detector suite over ``records`` (any order; fed by step, then rank); ``meta`` goes to the report."""
+            meta: Mapping[str, str] | None = None, segments: Sequence[Segment] | None = None,
+            events: Sequence[LogEvent] | None = None, progress: bool | None = None) -> PostmortemResult:
+    """Run the detector suite over ``records`` and return the incidents; ``meta`` goes to the report.
+
+    Without ``segments`` the records may come in any order (fed by step, then rank), unless a (rank, step) comes
+    twice: then they are taken in the given order and split where a (rank, step) repeats, as a CSV is. With
+    segments (a log source, :func:`stability.sources.load_log`) each segment's records are fed in turn (by step,
+    then rank): a resume makes a rank's step go back and the detectors re-baseline, so what happened before a
+    rollback is analysed too, and steps logged twice are counted once. Segments or ``events`` (a log source) also
+    bring the log findings and the causes only logs evidence (:func:`stability.sources.analysis.apply_log_context`).
+    ``progress``: a progress bar on stderr (default: when stderr is a terminal and the analysis is long).
+    """
+    if segments is None and len({(r.rank, r.step) for r in records}) < len(records):
+        # a (rank, step) given twice: records of a resumed run in log order (e.g. load_csv's), split as a CSV is
+        builder = SegmentBuilder("table")
+        for record in records:
+            builder.add(record)
+        records, found = builder.finish()
+        segments = found if len(found) > 1 else None
     diagnoser = RunDiagnoser(config)
     alerts: list[Finding] = []
-    ordered = sorted(records, key=lambda r: (r.step, r.rank))
-    for record in ordered:
-        alerts.extend(diagnoser.update(record))
+    chunks = [records[s.start:s.stop] for s in segments] if segments else [records]
+    owner: dict[int, int] = {}
+    """id(incident) -> index of the segment it was found in."""
+    with _progress(len(records), progress) as advance:
+        for index, chunk in enumerate(chunks):
+            for record in sorted(chunk, key=lambda r: (r.step, r.rank)):
+                alerts.extend(diagnoser.update(record))
+                advance()
+            if index + 1 < len(chunks) and segments and segments[index + 1].first_step < segments[index].last_step:
+                # the process ended here and the next one rolled back: flush what the detectors hold (every rank
+                # that logs again re-baselines), so each incident is attributed to its own segment
+                alerts.extend(diagnoser.finish())
+            for incident in diagnoser.incidents:
+                owner.setdefault(id(incident), index)
     alerts.extend(diagnoser.finish())
+    for incident in diagnoser.incidents:
+        owner.setdefault(id(incident), len(chunks) - 1)
     incidents = sorted(diagnoser.incidents, key=lambda i: (i.onset, i.rank))
+    log_segments = tuple(segments or ())
+    if segments is not None or events:
+        from stability.sources.analysis import apply_log_context
+
+        if not log_segments and records:
+            steps = [r.step for r in records]
+            log_segments = (Segment(index=0, start=0, stop=len(records), first_step=min(steps),
+                                    last_step=max(steps)),)
+        incidents, _ = apply_log_context(incidents, records, log_segments, list(events or ()), owner=owner)
     return PostmortemResult(run_id=run_id, steps=len({r.step for r in records}),
                             ranks=tuple(sorted({r.rank for r in records})), incidents=tuple(incidents),
-                            alerts=tuple(alerts), meta=dict(meta or {}))
+                            alerts=tuple(alerts), meta=dict(meta or {}), segments=log_segments,
+                            log_events=tuple(events or ()))
+
+
+PROGRESS_MIN_RECORDS = 50_000
+"""Records above which :func:`analyze` shows a progress bar (about a second of detector time)."""
+
+
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool | None) -> Iterator[Callable[[], None]]:
+    """A ``rich`` progress bar on stderr, only when stderr is a terminal (or ``enabled``); yields ``advance()``."""
+    if enabled is None:
+        enabled = total >= PROGRESS_MIN_RECORDS and sys.stderr.isatty()
+    if not enabled:
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    columns = (*Progress.get_default_columns()[:1], BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("analysing records", total=total)
+        count = 0
+
+        def advance() -> None:
+            nonlocal count
+            count += 1
+            if count % 1000 == 0 or count == total:
+                bar.update(task, completed=count)
+        yield advance
 
 
 def default_outputs(source: str | Path, out_dir: str | Path | None = None) -> tuple[Path, Path]:
@@ -478,11 +612,14 @@ def run_redis(url: str, run_id: str | None = None, *, out_dir: str | Path | None
 
 
 def run(source: str | Path, json_out: str | Path | None = None, html_out: str | Path | None = None, *,
-        run_id: str | None = None, loss_averaged: bool | None = None) -> PostmortemResult:
-    """Load ``source`` (CSV file, run directory or Redis URL), analyse it and write the requested reports.
+        run_id: str | None = None, loss_averaged: bool | None = None,
+        system_logs: Sequence[str | Path] = (), progress: bool | None = None) -> PostmortemResult:
+    """Load ``source`` (run directory, Redis URL, CSV file or any log of :func:`load_source`), analyse it and write
+    the requested reports.
 
-    ``run_id`` overrides the run id (default: the records' own, or the CSV file name); for a Redis URL it names the
-    run to load (see :func:`run_redis`); ``loss_averaged`` is passed to :func:`load_csv`.
+    ``run_id`` overrides the run id (default: the records' own, or the file name); for a Redis URL it names the
+    run to load (see :func:`run_redis`); ``loss_averaged`` is passed to :func:`load_csv`; ``system_logs``: kernel
+    logs (dmesg, journal) of the run's nodes whose events go on the same timeline.
 
     Raises:
         SourceError: the source cannot be read or holds no records.
@@ -493,17 +630,66 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
         return run_redis(source, run_id, json_out=json_out, html_out=html_out)[0]
     source = Path(source)
     damaged: list[str] = []
-    if source.is_dir():
-        records = load_run_dir(source, damaged=damaged)
-    elif source.exists():
-        records = load_csv(source, run_id=run_id, loss_averaged=loss_averaged)
-    else:
+    log: LoadedLog | None = None
+    if not source.exists():
         raise SourceError(f"{source}: no such file or directory")
-    if not records:
+    if _is_run_dir(source):
+        records = load_run_dir(source, damaged=damaged)
+    else:
+        log = load_source(source, run_id=run_id, loss_averaged=loss_averaged)
+        records = log.records
+    if system_logs:
+        from stability.sources import load_system_log
+
+        log = log or LoadedLog(format="run directory", records=records, segments=[])
+        dated = [r.wall_time for r in records if r.wall_time > 0]
+        year = time.gmtime(max(dated)).tm_year if dated else None  # syslog dates carry no year
+        for path in system_logs:
+            log.events.extend(load_system_log(path, year=year))
+    if not records and not (log and log.events):
         raise SourceError(f"{source}: no records")
-    meta = load_run_meta(source) if source.is_dir() else {"source": str(source)}
+    meta = load_run_meta(source) if _is_run_dir(source) else {"source": str(source)}
+    if log is not None:
+        meta["format"] = log.format
+        meta.update({f"context.{k}": v for k, v in list(log.context.items())[:40]})
+        if log.notes:
+            meta["notes"] = "; ".join(log.notes)
     if damaged:
         meta["damaged_files"] = json.dumps(damaged)
-    result = analyze(records, run_id or records[0].run_id, meta=meta)
+    rid = run_id or (records[0].run_id if records else _run_id_from(source))
+    if log is not None:
+        result = analyze(records, rid, meta=meta, segments=log.segments, events=log.events, progress=progress)
+    else:
+        result = analyze(records, rid, meta=meta, progress=progress)
     write_outputs(result, records, json_out=json_out, html_out=html_out)
     return result
+
+
+def _is_run_dir(path: Path) -> bool:
+    """A stability run directory (archive, spool or run.json), as opposed to a TensorBoard / W&B / HF directory."""
+    return path.is_dir() and any((path / name).exists() for name in ("archive", "spool", RUN_META_FILE))
+
+
+def load_source(path: str | Path, *, run_id: str | None = None, loss_averaged: bool | None = None) -> LoadedLog:
+    """Read any non-Redis source but a stability run directory: a CSV (:func:`load_csv_log`) or a log
+    (:func:`stability.sources.load_log`: training logs, JSON lines, trainer_state.json, TensorBoard, W&B offline).
+
+    Raises:
+        SourceError: unreadable, or not a known format (one line naming what was expected).
+    """
+    from stability.sources import EXPECTED, load_log, sniff
+
+    path = Path(path)
+    fmt = sniff(path)
+    if fmt == "csv" or (fmt == "unknown" and path.suffix.lower() == ".csv"):
+        return load_csv_log(path, run_id=run_id, loss_averaged=loss_averaged)
+    if fmt == "unknown":
+        if path.is_dir():
+            raise SourceError(f"{path}: not a run directory (no archive/, spool/ or run.json) and no TensorBoard, "
+                              f"W&B or HF Trainer files; expected {EXPECTED}")
+        raise SourceError(f"{path}: format not recognised; expected {EXPECTED}")
+    log = load_log(path, run_id=run_id, fmt=fmt)
+    averaged = set(log.format.split("+")) & {"megatron", "hf-trainer", "hf-trainer-state", "fairseq"}
+    if log.records and (loss_averaged or (loss_averaged is None and averaged)):
+        log.records = _with_loss_steps(log.records)
+    return log

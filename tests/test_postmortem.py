@@ -233,3 +233,29 @@ def test_a_skip_remedy_without_batch_ids_says_none_were_recorded(tmp_path: Path)
     [event] = data["events"]
     assert event["skip_batches"] == [] and event["causes"][0]["cause"] == "bad_batch"
     assert not event["remedy"].startswith("Skip the listed batches") and "no batch ids" in event["remedy"]
+
+
+def test_repeated_steps_are_a_resume_not_last_wins(tmp_path: Path) -> None:
+    """Issue #14 item 2: NaN at 260-299, rolled back to 200 and resumed; load_csv keeps both copies of 200-299 (in
+    file order) and analyze splits them into two segments, so the NaN is reported and steps are counted once."""
+    rows = ["step,loss"] + [f"{s},{'nan' if s >= 260 else 3.0 - s / 1000}" for s in range(300)]
+    rows += [f"{s},{3.0 - s / 1000}" for s in range(200, 400)]
+    path = write(tmp_path, "\n".join(rows) + "\n")
+    records = load_csv(path)
+    assert len(records) == 500 and [r.step for r in records[299:302]] == [299, 200, 201]
+    result = analyze(records, "r")
+    assert [(e["kind"], e["onset"]) for e in result.events if e["severity"] == "error"] == [("nan", 260)]
+    assert result.steps == 400 and [s.resumed_after for s in result.segments] == [None, 299]
+
+
+def test_run_dir_with_a_kernel_log_keeps_its_metadata_and_gets_the_hardware_event(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _archive(run_dir, range(0, 100))
+    (run_dir / "run.json").write_text(json.dumps({"run_id": "r", "torch": "2.13.0"}))
+    kern = write(tmp_path, "[ 8123.45] NVRM: Xid (PCI:0000:3b:00): 48, pid=1, An uncorrectable double bit error "
+                           "(DBE) has been detected on GPU in the framebuffer at partition 6.\n", "kern.log")
+    result = run(run_dir, json_out=tmp_path / "f.json", system_logs=[kern])
+    assert result.meta["torch"] == "2.13.0"
+    hardware = [e for e in result.events if e["kind"] == "hardware_error"]
+    assert hardware and hardware[0]["causes"][0]["cause"] == "hardware_fault" and hardware[0]["onset"] == 99
+    assert [e.kind for e in result.log_events] == ["xid", "ecc"]  # Xid 48 is an ECC error

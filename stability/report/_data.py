@@ -17,7 +17,7 @@ import numpy as np
 
 from stability.records import StepRecord
 
-__all__ = ["MAX_POINTS", "heatmap", "incident_window", "overview", "series"]
+__all__ = ["MAX_POINTS", "heatmap", "incident_window", "latest_per_step", "overview", "series"]
 
 MAX_POINTS = 4000
 """The overview plots at most about this many points per series."""
@@ -35,6 +35,12 @@ def _finite(value: float | None) -> float | None:
 def by_rank(records: Sequence[StepRecord], rank: int) -> list[StepRecord]:
     """The records of one rank, by step."""
     return sorted((r for r in records if r.rank == rank), key=lambda r: r.step)
+
+
+def latest_per_step(records: Sequence[StepRecord]) -> list[StepRecord]:
+    """One record per (rank, step): the last one given (records of a resumed run come segment by segment, so the
+    later process's values win where it re-logged steps)."""
+    return list({(r.rank, r.step): r for r in records}.values())
 
 
 def series(records: Sequence[StepRecord], name: str) -> tuple[list[int], list[float]]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from stability.console import display_remedy
 from stability.postmortem import PostmortemResult
 
-__all__ = ["cell", "plural", "render_text", "rollback_words"]
+__all__ = ["cell", "plural", "render_text", "rollback_words", "timeline_lines"]
 
 
 def cell(value: Any) -> str:
@@ -33,12 +34,35 @@ def rollback_words(event: dict[str, Any]) -> str:
             f"precursor; the onset was step {event['onset']})")
 
 
+def timeline_lines(result: PostmortemResult) -> list[str]:
+    """Segments (resumes) and log events (system faults, checkpoint loads, overflow counts) in words."""
+    lines = []
+    for seg in result.segments[1:]:
+        lines.append(f"resume: segment {seg.index + 1} starts at step {seg.first_step} after step "
+                     f"{seg.resumed_after} ({seg.reason}); steps {seg.first_step}-{seg.last_step}")
+    kinds: dict[str, int] = {}
+    for event in result.log_events:
+        kinds[event.kind] = kinds.get(event.kind, 0) + 1
+    shown = 0
+    for event in result.log_events:
+        if event.kind in ("overflow",) or shown >= 10:
+            continue
+        shown += 1
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(event.wall_time)) if event.wall_time else ""
+        where = ", ".join(x for x in (f"step {event.step}" if event.step is not None else "", when) if x) or "undated"
+        lines.append(f"log event: {event.kind} ({where}): {event.message[:160]}")
+    if kinds.get("overflow"):
+        lines.append(f"log events: {plural(kinds['overflow'], 'fp16 overflow')}")
+    return lines
+
+
 def render_text(result: PostmortemResult) -> str:
     """A plain-text summary: events table, top causes, remedy and rollback step of each event."""
     events = result.events
     serious = [e for e in events if e["severity"] != "info"]
     lines = [f"run {result.run_id}: {plural(result.steps, 'step')}, {plural(len(events), 'event')} "
              f"({len(serious)} warning/error, {len(events) - len(serious)} info)"]
+    lines.extend(timeline_lines(result))
     if not events:
         lines.append("no instability detected")
         return "\n".join(lines) + "\n"

@@ -1,0 +1,112 @@
+"""Post-mortem speed and memory on large sources (issue #11: 1M steps x 100 signals in < 30 s, < 2 GB).
+
+One command: ``python bench/bench_postmortem.py [--steps 20000 50000] [--signals 4 100] [--format csv megatron]``.
+For each size it writes a synthetic source (a CSV with ``step, loss, grad_norm, lr, loss_scale`` + per-module
+``grad_norm/h.K`` columns; or a Megatron-LM stdout log with the same global signals), then in a fresh subprocess
+measures: parse time, detector time (:func:`stability.postmortem.analyze`), and peak RSS. The baseline measured
+in the same run is a bare ``csv.reader`` / line-split pass over the same file; the ratios say how much slower the
+post-mortem is than reading the bytes. The 1M-step figure is extrapolated linearly from the largest size (both
+parse and detectors are O(steps)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGET_STEPS = 1_000_000
+
+
+def write_csv(path: Path, steps: int, signals: int) -> None:
+    rng = random.Random(0)
+    modules = [f"grad_norm/h.{k}" for k in range(max(0, signals - 4))]
+    with path.open("w") as out:
+        out.write(",".join(["step", "loss", "grad_norm", "lr", "loss_scale", *modules]) + "\n")
+        for s in range(steps):
+            loss = 2.0 + 8.0 * math.exp(-s / 5000) + rng.gauss(0, 0.02)
+            cells = [str(s), f"{loss:.5f}", f"{1 + rng.gauss(0, 0.05):.4f}", "0.0003", "65536.0"]
+            cells += [f"{0.1 + rng.random() * 0.01:.5f}" for _ in modules]
+            out.write(",".join(cells) + "\n")
+
+
+def write_megatron(path: Path, steps: int, signals: int) -> None:
+    rng = random.Random(0)
+    with path.open("w") as out:
+        for s in range(1, steps + 1):
+            loss = 2.0 + 8.0 * math.exp(-s / 5000) + rng.gauss(0, 0.02)
+            out.write(f" iteration {s:>8d}/ {steps:>8d} | consumed samples: {s * 128:>12d} | elapsed time per "
+                      f"iteration (ms): 812.3 | learning rate: 3.000000E-04 | global batch size:   128 | lm loss: "
+                      f"{loss:.6E} | loss scale: 65536.0 | grad norm: {1 + rng.gauss(0, 0.05):.3f} | num zeros: 0.0 | "
+                      f"number of skipped iterations:   0 | number of nan iterations:   0 |\n")
+
+
+def measure(path: str) -> None:
+    """Child process: parse + analyse ``path``; print JSON timings and peak RSS."""
+    from stability.postmortem import analyze, load_source
+
+    t0 = time.perf_counter()
+    log = load_source(path, loss_averaged=False)
+    t1 = time.perf_counter()
+    result = analyze(log.records, "bench", segments=log.segments, events=log.events, progress=False)
+    t2 = time.perf_counter()
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"parse_s": t1 - t0, "analyze_s": t2 - t1, "rss_mb": rss_mb, "records": len(log.records),
+                      "incidents": len(result.incidents)}))
+
+
+def baseline(path: Path, fmt: str) -> float:
+    """Seconds for a bare pass over the file (csv.reader rows / split lines on '|')."""
+    import csv
+
+    t0 = time.perf_counter()
+    with path.open(newline="") as handle:
+        if fmt == "csv":
+            for _ in csv.reader(handle):
+                pass
+        else:
+            for line in handle:
+                line.split("|")
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, nargs="+", default=[10_000, 40_000])
+    parser.add_argument("--signals", type=int, nargs="+", default=[4, 100])
+    parser.add_argument("--format", nargs="+", default=["csv", "megatron"], choices=["csv", "megatron"])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        measure(args.child)
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    print(f"{'format':9} {'signals':>7} {'steps':>8} {'parse s':>8} {'detect s':>9} {'rss MB':>7} {'bare s':>7} "
+          f"{'x bare':>7} {'1M est s':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in args.format:
+            for signals in args.signals if fmt == "csv" else [12]:
+                for steps in args.steps:
+                    path = Path(tmp) / f"bench-{signals}-{steps}.{'csv' if fmt == 'csv' else 'log'}"
+                    (write_csv if fmt == "csv" else write_megatron)(path, steps, signals)
+                    bare = baseline(path, fmt)
+                    child = subprocess.run([sys.executable, __file__, "--child", str(path)], env=env, check=True,
+                                           capture_output=True, text=True)
+                    data = json.loads(child.stdout.strip().splitlines()[-1])
+                    total = data["parse_s"] + data["analyze_s"]
+                    print(f"{fmt:9} {signals:>7} {steps:>8} {data['parse_s']:>8.2f} {data['analyze_s']:>9.2f} "
+                          f"{data['rss_mb']:>7.0f} {bare:>7.2f} {total / bare:>7.1f} "
+                          f"{total * TARGET_STEPS / steps:>9.0f}", flush=True)
+                    path.unlink()
+
+
+if __name__ == "__main__":
+    main()
