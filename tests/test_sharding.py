@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
+import redis
 
 from stability import keys
+from stability.embedded import RedisServer
 from stability.records import StepRecord, encode
 from stability.worker import crossrank_stage, drain
 from stability.worker.crossrank_stage import CrossRankStage
@@ -41,7 +48,7 @@ def record(run: str, rank: int, step: int) -> StepRecord:
                       signals={"loss": loss, "grad_norm": grad, "lr": 1e-3})
 
 
-def write_run(client: Any, run: str, steps: range, *, end: bool = False) -> None:
+def write_run(client: Any, run: str, steps: range, *, end: bool = False, active: bool = True) -> None:
     client.sadd(keys.ranks(run), *range(RANKS))
     pipe = client.pipeline(transaction=False)
     for step in steps:
@@ -50,7 +57,8 @@ def write_run(client: Any, run: str, steps: range, *, end: bool = False) -> None
     pipe.execute()
     if end:
         client.hset(keys.meta(run), mapping={f"ended:{r}": "1" for r in range(RANKS)})
-    client.sadd(keys.RUNS, run)
+    if active:
+        client.sadd(keys.RUNS, run)
 
 
 def findings(client: Any, run: str) -> list[dict[str, Any]]:
@@ -168,3 +176,102 @@ def test_exactly_once_when_a_shard_drain_dies_mid_run(redis_client: Any, fresh_p
     assert (NAN_RANK, "nan", NAN_STEP, "error") in alerted(redis_client, "crash")
     keys_seen = Counter((f["rank"], f["kind"], f["step"]) for f in findings(redis_client, "crash"))
     assert max(keys_seen.values()) == 1
+
+
+# ------------------------------------------------------------------------------------------ real worker processes
+@pytest.fixture
+def workers(redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable[[str], subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "STABILITY_"))}
+    env.update(STABILITY_REDIS_URL=redis_server.url, STABILITY_SWEEP_S="0.2", STABILITY_LEASE_MS="1500",
+               STABILITY_BATCH="10", STABILITY_DRAIN_S="2", STABILITY_SHARD_SIZE="2", WANDB_MODE="disabled",
+               STABILITY_SNAPSHOT_S="10",  # processed entries stay pending: the kill lands before their ack
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "stability.worker", "-n", f"{name}@%h"], cwd=tmp_path,
+                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, logs: list[Path]) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    tails = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+    pytest.fail(f"timed out waiting for {what}\n{tails}")
+
+
+def expected_alerts(run: str) -> set[tuple[int, str, int, str]]:
+    from stability.detectors.engine import RunDiagnoser
+
+    diag = RunDiagnoser()
+    out = [f for step in range(STEPS) for rank in range(RANKS) for f in diag.update(record(run, rank, step))]
+    out += diag.finish()
+    return {(f.rank, f.kind, f.step, f.severity.value) for f in out}
+
+
+def test_two_workers_drain_a_sharded_run_and_survive_the_sweeping_worker_dying(
+    redis_client: Any, workers: Callable[[str], subprocess.Popen[bytes]], tmp_path: Path, fresh_process_state: None
+) -> None:
+    """8 ranks in 4 shards drained by 2 real workers; the worker holding the sweep lease is killed (process group)
+    while entries are processed but not acked; the other takes over the sweep, finishes the sharded run with the
+    unsharded drain's findings, every record archived once, and drains an old unsharded run added afterwards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run_dir = tmp_path / "big"
+    run_dir.mkdir()
+    redis_client.hset(keys.meta("big"), mapping={"run_dir": str(run_dir), "started": str(time.time())})
+    write_run(redis_client, "big", range(STEPS // 2))
+    procs = {name: workers(name) for name in ("a", "b")}
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    holder = wait_for("a worker to take the sweep lease", lambda: next(
+        (n for n in procs if b"took the sweep lease" in (tmp_path / f"{n}.log").read_bytes()), None), 120, logs)
+    wait_for("the run to be sharded", lambda: redis_client.hget(keys.meta("big"), "shard_size") == b"2", 60, logs)
+
+    def pending() -> int:
+        try:
+            return sum(redis_client.xpending(keys.records("big", r), keys.GROUP)["pending"] for r in range(RANKS))
+        except redis.ResponseError:  # no consumer group yet
+            return 0
+
+    wait_for("entries processed, not acked", lambda: pending() > 0, 60, logs)
+    os.killpg(procs[holder].pid, signal.SIGKILL)  # the worker and everything it started: a machine going down
+    procs[holder].wait(10)
+    write_run(redis_client, "big", range(STEPS // 2, STEPS), end=True)
+    # an old run: drained by an unsharded worker before the upgrade (it has an unsharded snapshot)
+    write_run(redis_client, "old", range(STEPS // 2), active=False)
+    Drainer(redis_client, "old", sinks=[RedisFindingsSink(redis_client)], snapshot=SnapshotPolicy(every_s=0)).run()
+    assert redis_client.exists(keys.state("old"))
+    write_run(redis_client, "old", range(STEPS // 2, STEPS), end=True)
+
+    survivor = next(n for n in procs if n != holder)
+    wait_for("both runs drained", lambda: all(redis_client.hexists(keys.meta(r), "drained") for r in ("big", "old")),
+             180, logs)
+    assert procs[survivor].poll() is None
+    assert b"took the sweep lease" in (tmp_path / f"{survivor}.log").read_bytes()
+    assert redis_client.hget(keys.meta("old"), "shard_size") == b"0"
+    expected = expected_alerts("big")
+    assert alerted(redis_client, "big") == expected
+    assert (FAULTY, "rank_disagreement", FAULT_STEP, "error") in expected
+    assert (NAN_RANK, "nan", NAN_STEP, "error") in alerted(redis_client, "old")
+    seen = Counter((f["rank"], f["kind"], f["step"]) for f in findings(redis_client, "big"))
+    assert max(seen.values()) == 1
+    parts = sorted((run_dir / "archive").glob("*.parquet"))
+    table = pa.concat_tables(pq.read_table(p, columns=["rank", "step"]) for p in parts)
+    rows = Counter(zip(table.column("rank").to_pylist(), table.column("step").to_pylist(), strict=True))
+    assert sorted(rows) == [(r, s) for r in range(RANKS) for s in range(STEPS)]
+    assert max(rows.values()) == 1, "a record was archived twice"
+    assert (run_dir / "report.html").exists()
