@@ -135,6 +135,34 @@ def test_held_finding_carries_the_cross_rank_verdict(redis_client: Any, fresh_pr
     assert [c["cause"] for c in nan["causes"]] == ["numerical_nan", "hardware_fault"]
 
 
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Any]:
+    """The 3-node Redis Cluster of tests/test_cluster.py."""
+    import test_cluster
+
+    binary = test_cluster._binary()
+    if binary is None:
+        pytest.skip("no system redis-server (7.x) to run cluster nodes")
+    nodes = test_cluster.Cluster(tmp_path / "cluster", binary)
+    try:
+        yield nodes.start()
+    finally:
+        nodes.stop()
+
+
+def test_sharded_drain_over_a_three_node_cluster(cluster: Any, fresh_process_state: None) -> None:
+    """Every key of a sharded run (shards, summaries, watermarks, verdicts, cross-rank stage) is in the run's slot:
+    the shard and cross-rank transactions and scripts run on a Redis Cluster, with the unsharded drain's findings."""
+    from stability.redis_url import connect
+
+    client = connect(cluster.url, socket_timeout=5)
+    write_run(client, "clustered", range(STEPS), end=True)
+    client.hset(keys.meta("clustered"), "shard_size", "4")
+    drain_sharded(client, "clustered", 4, [1, "x", 0])
+    assert alerted(client, "clustered") == expected_alerts("clustered")
+    client.close()
+
+
 def test_shard_size_is_fixed_once_and_never_for_a_run_already_drained(redis_client: Any) -> None:
     write_run(redis_client, "new", range(2))
     assert decide_shard_size(redis_client, "new", 0) == 0  # a worker without sharding writes nothing
