@@ -31,6 +31,10 @@ Why snapshots and not a state SET per batch: the detector state of a run is tens
 with every batch made the append-only file grow by that much several times a second. With a snapshot every few
 seconds Redis holds, per run, one state, the entries since the last commit and the not-yet-drained backlog.
 
+A sharded run (metadata ``shard_size`` > 0) is refused here (status ``sharded``); its shards are drained by
+:class:`~stability.worker.shards.ShardDrainer`, this class with hooks (``_select``, ``_after_batch``,
+``_may_finish``, ...) for the shard's keys, summaries and end of run.
+
 Malformed entries (not decodable, missing field ``r``, wrong run) are never retried: they go to
 ``keys.errors(run)`` with the reason, count in the metadata field ``errors`` and are acked with the next commit.
 """
@@ -144,7 +148,8 @@ class DrainResult:
 
     status: str
     """``busy`` (lease held elsewhere), ``idle`` (caught up), ``timeout`` (time budget spent, more may remain),
-    ``drained`` (run finished and fully processed), ``lease_lost`` (stopped without committing)."""
+    ``drained`` (run finished and fully processed), ``lease_lost`` (stopped without committing), ``sharded`` (the run
+    is sharded: its shards and cross-rank stage drain it, see :mod:`stability.worker.shards`)."""
     processed: int = 0
     """Entries processed (records and rejected entries), committed or still pending until the next commit."""
     rejected: int = 0
