@@ -214,6 +214,8 @@ def drain_shard(run_id: str, shard: int, size: int) -> str:
                                                               every_records=settings.snapshot_n),
     ).run()
     _log(f"{run_id} shard {shard}", result)
+    if result.processed:  # new summaries: the cross-rank stage now, not at the next sweep
+        _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size)
     return result.status
 
 
@@ -226,4 +228,7 @@ def crossrank(run_id: str, size: int) -> str:
         snapshot=SnapshotPolicy(every_s=settings.snapshot_s, every_records=settings.snapshot_n),
     ).run()
     _log(f"{run_id} cross-rank", result)
+    if result.processed:  # more steps decided: the shards release their held findings now, not at the next sweep
+        for shard in shards_of(run_ranks(client(), run_id), size):
+            _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size)
     return result.status
