@@ -135,6 +135,29 @@ def test_held_finding_carries_the_cross_rank_verdict(redis_client: Any, fresh_pr
     assert [c["cause"] for c in nan["causes"]] == ["numerical_nan", "hardware_fault"]
 
 
+def test_cross_rank_stage_killed_before_its_commit_repeats_nothing(redis_client: Any,
+                                                                  fresh_process_state: None) -> None:
+    """The stage fed summaries and published verdicts but never committed (its process died): the next stage
+    re-reads the same summaries from its snapshot; the findings are those of the unsharded drain, each once."""
+    write_run(redis_client, "xcrash", range(STEPS))
+    redis_client.hset(keys.meta("xcrash"), "shard_size", "4")
+    sinks = [RedisFindingsSink(redis_client)]
+    for shard in (0, 1):
+        ShardDrainer(redis_client, "xcrash", shard, 4, sinks=sinks, batch=500).run()
+    slow = SnapshotPolicy(every_s=3600, every_records=10**6)
+    dying = CrossRankStage(redis_client, "xcrash", 4, sinks=sinks, snapshot=slow, lease_ms=300)
+    assert dying.run().processed == RANKS * STEPS
+    assert redis_client.get(keys.shard_state("xcrash", "x")) is None  # never committed
+    assert (FAULTY, "rank_disagreement", FAULT_STEP, "error") in alerted(redis_client, "xcrash")
+    crossrank_stage._STATES.clear()  # the process is gone
+    time.sleep(0.35)  # its lease expires
+    redis_client.hset(keys.meta("xcrash"), mapping={f"ended:{r}": "1" for r in range(RANKS)})
+    drain_sharded(redis_client, "xcrash", 4, ["x", 0, 1])
+    assert alerted(redis_client, "xcrash") == expected_alerts("xcrash")
+    seen = Counter((f["rank"], f["kind"], f["step"]) for f in findings(redis_client, "xcrash"))
+    assert max(seen.values()) == 1
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Any]:
     """The 3-node Redis Cluster of tests/test_cluster.py."""

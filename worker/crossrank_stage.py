@@ -135,6 +135,10 @@ class CrossRankStage:
         token = secrets.token_hex(16)
         if not self.client.set(self._lock, token, nx=True, px=self.lease_ms):
             return DrainResult(status="busy")
+        done = threading.Event()
+        keeper = threading.Thread(target=self._keep, args=(token, done), name=f"stability-lease-{self.run_id}#x",
+                                  daemon=True)
+        keeper.start()  # a slow loop (busy CPU, a big finish) must not lose the lease midway
         try:
             st = self._resume()
             result = self._loop(token, st)
@@ -147,7 +151,17 @@ class CrossRankStage:
             logger.warning("%s: cross-rank lease lost; the next call resumes from the snapshot", self.run_id)
             return DrainResult(status="lease_lost")
         finally:
+            done.set()
+            keeper.join()
             self.client.execute_command("EVAL", _RELEASE, 1, self._lock, token)
+
+    def _keep(self, token: str, done: threading.Event) -> None:
+        """Renew the lease every third of its time until ``done``."""
+        while not done.wait(self.lease_ms / 3000):
+            try:
+                self._renew(token)
+            except (_LeaseLost, redis.RedisError):
+                return
 
     def _renew(self, token: str) -> None:
         if not self.client.execute_command("EVAL", _EXTEND, 1, self._lock, token, self.lease_ms):
