@@ -92,6 +92,8 @@ class Result:
     """CPU seconds of the bare XREADGROUP + XACK loop (this process, while it ran)."""
     load: float = 0.0
     """The machine's 1-minute load average at the end (a busy machine stretches every wall-clock rate)."""
+    shard_size: int = 0
+    """Ranks per shard of each run (0: unsharded)."""
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -164,11 +166,15 @@ def run_ids(args: argparse.Namespace) -> list[str]:
     return [f"load-{i}" for i in range(args.runs)]
 
 
-def register(client: redis.Redis[bytes], runs: list[str], ranks: int, tmp: Path, archive: bool) -> None:
-    """Metadata and rank sets as the emitter writes them (the run is added to ``stability:runs`` separately)."""
+def register(client: redis.Redis[bytes], runs: list[str], ranks: int, tmp: Path, archive: bool,
+             shard_size: int = 0) -> None:
+    """Metadata and rank sets as the emitter writes them (the run is added to ``stability:runs`` separately);
+    ``shard_size`` > 0 makes each run a sharded run (``worker.shards``)."""
     pipe = client.pipeline(transaction=False)
     for run in runs:
         meta: dict[str, str] = {"started": repr(time.time()), "host": "loadgen"}
+        if shard_size:
+            meta["shard_size"] = str(shard_size)
         if archive:
             (tmp / run).mkdir(exist_ok=True)
             meta["run_dir"] = str(tmp / run)
@@ -297,7 +303,7 @@ def backlog(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Name
         cpu = time.process_time()
         result.baseline_per_s = bare_loop(client, runs, args.ranks, args.batch, "bare:")
         result.baseline_cpu_s = time.process_time() - cpu
-    register(client, runs, args.ranks, tmp, args.archive)
+    register(client, runs, args.ranks, tmp, args.archive, args.shard_size)
     start = time.perf_counter()
     result.bytes_per_record = fill_backlog(client, runs, args)
     result.written_per_s = total / (time.perf_counter() - start)
@@ -381,7 +387,7 @@ def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespa
                     archive=args.archive)
     result.signals = RecordFactory(run_id="x", rank=0, modules=args.modules).signal_count
     writer = _StepWriter(client, runs, args)
-    register(client, runs, args.ranks, tmp, args.archive)
+    register(client, runs, args.ranks, tmp, args.archive, args.shard_size)
     client.sadd(keys.RUNS, *runs)
     stop = threading.Event()
     sampler_client = redis.Redis.from_url(url)
@@ -448,6 +454,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--anomaly-every", type=int, default=250,
                    help="backlog: an anomaly (nan / layer_grad / spike in turn) every N steps per run (default 250; "
                         "each finding costs its ranking, up to ~0.5 s with the data-oddity model)")
+    p.add_argument("--shard-size", type=int, default=0,
+                   help="ranks per shard: each run is a sharded run drained by all workers (default 0: unsharded)")
     p.add_argument("--archive", action="store_true", help="archive to Parquet (run_dir in the run's metadata)")
     p.add_argument("--sweep-s", type=float, default=0.5, help="STABILITY_SWEEP_S of the workers (default 0.5)")
     p.add_argument("--batch", type=int, default=500, help="STABILITY_BATCH of the workers (default 500)")
@@ -475,7 +483,8 @@ def print_summary(out: dict[str, Any]) -> None:
         return "-" if v is None else f"{v * 1000:,.0f} ms"
 
     archive = "on" if out["archive"] else "off"
-    print(f"{out['mode']}: {out['runs']} runs x {out['ranks']} ranks, {out['signals']} signals "
+    shards = f", shard size {out['shard_size']}" if out.get("shard_size") else ""
+    print(f"{out['mode']}: {out['runs']} runs x {out['ranks']} ranks{shards}, {out['signals']} signals "
           f"({out['bytes_per_record']} B/record), {out['workers']} worker(s), archive {archive}, "
           f"redis {out['redis_version']}")
     print(f"  records processed : {out['records']:,} in {out['seconds']:.1f} s")
@@ -502,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             client = redis.Redis.from_url(server.url)
             client.config_set("maxmemory-policy", "noeviction")
             result = (backlog if args.mode == "backlog" else live)(client, server.url, tmp, args)
+            result.shard_size = args.shard_size
             result.redis_version = str(client.info("server")["redis_version"])
             result.load = os.getloadavg()[0]
             client.close()

@@ -156,6 +156,16 @@ class CrossRankDetector:
             return None
         return self._finding(step, rank, "grad_norm", mine, middle, math.inf, len(others) + 1)
 
+    @property
+    def decided(self) -> int:
+        """Every step up to this one is decided (-1: none yet)."""
+        return self._decided
+
+    def verdicts(self) -> list[Finding]:
+        """The disagreements decided by the last :meth:`update` / :meth:`finish` call, alerted or not (a rank's
+        repeat within ``rearm`` is not alerted but is still that step's verdict); for a sharded run's shards."""
+        return list(self._just_decided.values())
+
     def reset(self, step: int) -> None:
         """A rank went back to ``step`` (a resume): forget pending steps and accept steps >= ``step`` again."""
         self._pending = {}
@@ -164,6 +174,7 @@ class CrossRankDetector:
 
     def finish(self) -> list[Finding]:
         """Decide every pending step with the ranks that reported it."""
+        self._just_decided = {}
         out: list[Finding] = []
         for step in sorted(self._pending):
             out += self._decide(step, self._pending.pop(step))

@@ -35,6 +35,12 @@ With several ranks, a rank's warning/error findings are held until every known r
 most until some rank is ``hold_steps`` (2) steps past it; at most ``max_held`` findings), then ranked: a faulty
 rank that reports a step first is alerted with that step's cross-rank verdict (``hardware_fault``), not
 ``unknown``. In step order the delay is 0 steps; a single rank is never held.
+
+**Sharded runs** (``RunDiagnoser(verdicts=...)``): the diagnoser of one shard of a run's ranks has no cross-rank
+detector; the cross-rank verdicts come from outside (:class:`Verdicts`, the run's cross-rank stage). A rank's
+warning/error findings are then held until the cross-rank stage has decided their step (at most
+``verdict_wait_s`` seconds, at most ``max_held`` findings) and ranked with that step's verdict on the rank, exactly
+as above; :meth:`RunDiagnoser.release` releases what became decidable while no record arrived.
 """
 
 from __future__ import annotations
@@ -42,8 +48,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from stability.detectors.base import Detector, Finding, Severity, is_skipped_step, without_step_statistics
 from stability.detectors.crossrank import CrossRankConfig, CrossRankDetector
@@ -68,7 +75,7 @@ from stability.detectors.update import (
 from stability.detectors.vanish import GradVanishingDetector, VanishConfig
 from stability.records import StepRecord
 
-__all__ = ["DiagnoserConfig", "Incident", "RunDiagnoser"]
+__all__ = ["DiagnoserConfig", "Incident", "RunDiagnoser", "Verdicts"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +122,8 @@ class DiagnoserConfig:
     ranked with the cross-rank verdict of that step), at most until another rank is this many steps ahead."""
     max_held: int = 64
     """At most this many findings wait (the oldest is released first)."""
+    verdict_wait_s: float = 30.0
+    """Sharded runs: a held finding waits at most this long for the cross-rank stage's verdict on its step."""
     rediagnose_steps: int = 100
     """A warning/error within this many steps (onset to onset) of a weaker earlier incident of the same rank, with a
     different first cause, re-diagnoses it (:meth:`RunDiagnoser._rediagnose`)."""
@@ -179,6 +188,18 @@ class Incident:
                    late_batches=list(state.get("late_batches", [])), rediagnosed_by=state.get("rediagnosed_by"))
 
 
+class Verdicts(Protocol):
+    """Cross-rank verdicts decided outside the diagnoser (a sharded run's cross-rank stage)."""
+
+    def decided(self) -> int:
+        """Every step up to this one has been decided by the cross-rank comparison."""
+        ...
+
+    def suspect(self, rank: int, step: int) -> Finding | None:
+        """The ``rank_disagreement`` decided on ``rank`` at ``step`` (alerted or not), if any."""
+        ...
+
+
 class _RankSuite:
     """Detectors, history and incident bookkeeping of one rank."""
 
@@ -236,16 +257,18 @@ class _RankSuite:
 class RunDiagnoser:
     """Detector suite for one run (all ranks); see the module docstring."""
 
-    def __init__(self, config: DiagnoserConfig | None = None) -> None:
+    def __init__(self, config: DiagnoserConfig | None = None, *, verdicts: Verdicts | None = None) -> None:
         self.config = config or DiagnoserConfig()
+        self._verdicts = verdicts
+        """External cross-rank verdicts (a shard of a sharded run); None: compare the ranks here."""
         self._ranks: dict[int, _RankSuite] = {}
         self.incidents: list[Incident] = []
         """Every incident seen by this object, in order of creation."""
         self._open: dict[int, Incident] = {}
         """Last incident of each rank (findings may still join it)."""
         self._crossrank = CrossRankDetector(self.config.crossrank)
-        self._held: list[tuple[int, Finding]] = []
-        """(rank, finding) waiting for the other ranks to report its step (see :meth:`_release`)."""
+        self._held: list[tuple[int, Finding, float]] = []
+        """(rank, finding, unix time held) waiting for the other ranks to report its step (see :meth:`_release`)."""
         self.resumes: list[tuple[int, int, int]] = []
         """(rank, last step before, first step after) of every detected resume (step going backwards)."""
 
@@ -270,37 +293,50 @@ class RunDiagnoser:
         found: list[Finding] = []
         for detector in suite.detectors:
             found.extend(detector.update(record if detector.name in SEES_SKIPPED_STEPS else view))
-        decided = self._crossrank.update(record)
-        self._held += [(record.rank, f) for f in found]
+        decided = self._crossrank.update(record) if self._verdicts is None else []
+        now = time.time() if found else 0.0
+        self._held += [(record.rank, f, now) for f in found]
         alerts += self._release()
         for finding in decided:
             alerts += self._fuse(self._suite(finding.rank), finding.rank, [finding])
         return alerts
+
+    def release(self) -> list[Finding]:
+        """Fuse and return the held findings that became decidable (a sharded run's shard calls this when the
+        cross-rank stage decided more steps while no record of the shard arrived)."""
+        return self._release()
 
     def _release(self, *, flush: bool = False) -> list[Finding]:
         """Fuse the held findings whose step every known rank has reported (or that waited long enough).
 
         A finding is held only while other ranks are known and have not reported its step yet, and only when it
         is a warning/error (or queued behind one of its rank, to keep each rank's order): with the faulty rank
-        reporting first, its own detectors fire before the cross-rank verdict of that step exists.
+        reporting first, its own detectors fire before the cross-rank verdict of that step exists. With external
+        verdicts (a shard) it is held until the cross-rank stage decided its step, at most ``verdict_wait_s``.
         """
         if not self._held:
             return []
         cfg = self.config
-        ranks = self._ranks.values()
-        complete = min(s.last_step for s in ranks)
-        newest = max(s.last_step for s in ranks)
+        if self._verdicts is None:
+            ranks = self._ranks.values()
+            complete = min(s.last_step for s in ranks)
+            newest = max(s.last_step for s in ranks)
+            wait_until = 0.0
+        else:
+            complete, newest = self._verdicts.decided(), -(2**62)  # newest - step < hold_steps: always
+            wait_until = time.time() - cfg.verdict_wait_s
         waiting: set[int] = set()
-        keep: list[tuple[int, Finding]] = []
+        keep: list[tuple[int, Finding, float]] = []
         alerts: list[Finding] = []
         over = len(self._held) - cfg.max_held
-        for i, (rank, finding) in enumerate(self._held):
+        for i, (rank, finding, since) in enumerate(self._held):
             serious = finding.severity in (Severity.WARNING, Severity.ERROR) and not finding.evidence.get("closes")
             hold = not flush and i >= over and (rank in waiting or (
-                serious and finding.step > complete and newest - finding.step < cfg.hold_steps))
+                serious and finding.step > complete and newest - finding.step < cfg.hold_steps
+                and since >= wait_until))
             if hold:
                 waiting.add(rank)
-                keep.append((rank, finding))
+                keep.append((rank, finding, since))
             else:
                 alerts += self._fuse(self._suite(rank), rank, [finding])
         self._held = keep
@@ -325,8 +361,9 @@ class RunDiagnoser:
                 if flush is not None:
                     found.extend(flush())
             out.extend(self._fuse(suite, rank, found))
-        for finding in self._crossrank.finish():
-            out += self._fuse(self._suite(finding.rank), finding.rank, [finding])
+        if self._verdicts is None:
+            for finding in self._crossrank.finish():
+                out += self._fuse(self._suite(finding.rank), finding.rank, [finding])
         return out
 
     def _fuse(self, suite: _RankSuite, rank: int, found: list[Finding]) -> list[Finding]:
@@ -337,7 +374,10 @@ class RunDiagnoser:
                 continue
             incident = self._open.get(rank)
             recent = list(incident.findings) if incident is not None else []
-            suspect = self._crossrank.suspect(rank, raw.step) if raw.kind != "rank_disagreement" else None
+            suspect = None
+            if raw.kind != "rank_disagreement":
+                source = self._crossrank if self._verdicts is None else self._verdicts
+                suspect = source.suspect(rank, raw.step)
             if suspect is not None:
                 recent.append(suspect)
             ranking = rank_causes(raw, suite.history, recent)
@@ -439,7 +479,8 @@ class RunDiagnoser:
             "ranks": {str(r): s.state_dict() for r, s in self._ranks.items()},
             "crossrank": self._crossrank.state_dict(),
             "incidents": [i.to_state() for r in sorted(kept) for i in kept[r][-MAX_KEPT_INCIDENTS:]],
-            "held": [[rank, f.to_dict()] for rank, f in self._held],
+            "held": [[rank, f.to_dict()] for rank, f, _ in self._held],
+            "held_since": [since for _, _, since in self._held],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -449,7 +490,9 @@ class RunDiagnoser:
             self._suite(int(rank)).load_state_dict(suite_state)
         self.incidents = [Incident.from_state(i) for i in state["incidents"]]
         self._open = {i.rank: i for i in self.incidents}
-        self._held = [(int(rank), Finding.from_dict(f)) for rank, f in state.get("held", [])]
+        held = state.get("held", [])
+        since = state.get("held_since") or [time.time()] * len(held)
+        self._held = [(int(rank), Finding.from_dict(f), float(t)) for (rank, f), t in zip(held, since, strict=True)]
         self._crossrank = CrossRankDetector(self.config.crossrank)
         if "crossrank" in state:
             self._crossrank.load_state_dict(state["crossrank"])

@@ -15,6 +15,20 @@ Per run ``R`` (all keys share the ``stability:{R}`` hash tag, so a Redis Cluster
 * ``stability:{R}:status``       hash: the run's lifecycle status (``status`` running / finished / died, ``step``,
   ``reason``, ``time``, ``host``, ``pid``), see :mod:`stability.runstate`
 
+Sharded runs (meta field ``shard_size`` > 0; see :mod:`stability.worker.shards`), per shard ``S`` (a number, or
+``x`` for the cross-rank stage):
+
+* ``stability:{R}:lock:<S>``     the shard's drain lease (``lock:x``: the cross-rank stage's)
+* ``stability:{R}:state:<S>``    the shard's detector snapshot (``state:x``: the cross-rank stage's)
+* ``stability:{R}:trigger:<S>``  marker: a drain task for the shard is queued
+* ``stability:{R}:sum:<S>``      stream of the shard's per-step summaries (msgpack lists), read by the cross-rank stage
+* ``stability:{R}:sumpos:<S>``   hash: the shard's summary watermark (``r<rank>`` last summarized entry id,
+  ``progress``, ``idle``, ``ended``)
+* ``stability:{R}:xrank``        hash: the cross-rank stage's output for the shards (``decided`` step, ``done``)
+* ``stability:{R}:verdicts``     hash ``<rank>:<step>`` -> the cross-rank verdict (finding JSON) on that rank's step
+
+Global: ``stability:sweeper`` (lease of the worker that currently runs the sweep).
+
 Global: ``stability:runs`` (set of active run ids). Runs no longer active are found by their meta hash
 (``SCAN MATCH`` :data:`META_PATTERN`).
 """
@@ -84,6 +98,47 @@ def advice(run_id: str) -> str:
 def status(run_id: str) -> str:
     """Hash of the run's lifecycle status (running / finished / died at a step), see :mod:`stability.runstate`."""
     return f"{_run(run_id)}:status"
+
+
+SWEEPER = f"{PREFIX}:sweeper"
+"""Lease of the worker process that currently sweeps (any worker may take it over, see ``worker.tasks``)."""
+CROSSRANK = "x"
+"""Shard name of a sharded run's cross-rank stage (:func:`shard_lock`, :func:`shard_state`, :func:`shard_trigger`)."""
+
+
+def shard_lock(run_id: str, shard: int | str) -> str:
+    """Drain lease of one shard of a sharded run (``shard`` = :data:`CROSSRANK`: the cross-rank stage's)."""
+    return f"{lock(run_id)}:{shard}"
+
+
+def shard_state(run_id: str, shard: int | str) -> str:
+    """Detector snapshot of one shard (or of the cross-rank stage)."""
+    return f"{state(run_id)}:{shard}"
+
+
+def shard_trigger(run_id: str, shard: int | str) -> str:
+    """Marker that a drain task for the shard (or the cross-rank stage) is queued."""
+    return f"{trigger(run_id)}:{shard}"
+
+
+def summaries(run_id: str, shard: int) -> str:
+    """Stream of one shard's per-step summaries (read by the cross-rank stage)."""
+    return f"{_run(run_id)}:sum:{shard}"
+
+
+def summary_pos(run_id: str, shard: int) -> str:
+    """Hash: how far one shard has summarized its ranks (per-rank entry ids, progress, idle, ended)."""
+    return f"{_run(run_id)}:sumpos:{shard}"
+
+
+def crossrank(run_id: str) -> str:
+    """Hash: the cross-rank stage's watermark for the shards (``decided``, ``done``)."""
+    return f"{_run(run_id)}:xrank"
+
+
+def verdicts(run_id: str) -> str:
+    """Hash ``<rank>:<step>`` -> cross-rank verdict (finding JSON) of that step on that rank."""
+    return f"{_run(run_id)}:verdicts"
 
 
 META_PATTERN = f"{PREFIX}:{{*}}:meta"

@@ -1,8 +1,9 @@
-"""``stability worker`` / ``python -m stability.worker``: run a Celery worker with the embedded beat.
+"""``stability worker`` / ``python -m stability.worker``: run a Celery worker that takes part in the sweep.
 
-Defaults: ``--pool solo`` (one process; the W&B sink keeps one diagnosis run per training run in it), beat on
-(``-B``; run exactly one beat per broker, so pass ``--no-beat`` to additional workers), INFO logging, no
-gossip/mingle/heartbeat traffic. Unknown arguments go to ``celery worker`` unchanged.
+Defaults: ``--pool solo`` (one process; the W&B sink keeps one diagnosis run per training run in it), INFO logging,
+no gossip/mingle/heartbeat traffic. No Celery beat: every worker takes part in the sweep lease
+(:class:`stability.worker.tasks.Sweeper`), so any worker takes over when the sweeping one dies; ``--no-beat`` keeps
+a worker out of it (``STABILITY_SWEEPER=0``). Unknown arguments go to ``celery worker`` unchanged.
 
 Settings are checked before Celery starts (issue 14 item 7): a bad variable or URL, a wrong password or a bad TLS
 option ends the worker with one line naming the problem (password redacted) and exit code 2, instead of a traceback
@@ -23,8 +24,8 @@ __all__ = ["main", "worker_argv"]
 _DESCRIPTION = (
     "Run a Celery worker that diagnoses training runs. Redis (records and broker) comes from STABILITY_REDIS_URL "
     "(default redis://127.0.0.1:6379/0; redis+cluster://HOST:PORT for a Redis Cluster, which then needs a separate "
-    "broker in STABILITY_BROKER_URL). Defaults: --pool solo, the embedded beat (sweep scheduler; run exactly one "
-    "per Redis, pass --no-beat to additional workers), INFO logging. Unknown options go to 'celery worker'."
+    "broker in STABILITY_BROKER_URL). Defaults: --pool solo, INFO logging; every worker may run the sweep (one at a "
+    "time, by a Redis lease; --no-beat keeps this one out). Unknown options go to 'celery worker'."
 )
 
 
@@ -34,12 +35,12 @@ def worker_argv(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--pool", choices=("solo", "prefork"), default="solo", help="worker pool (default solo)")
     parser.add_argument("--concurrency", type=int, default=None, help="prefork processes (default: CPU count)")
     parser.add_argument("--loglevel", default="INFO", help="log level (default INFO)")
-    parser.add_argument("--no-beat", action="store_true", help="do not run the embedded beat (sweep) scheduler")
+    parser.add_argument("--no-beat", action="store_true", help="never run the sweep in this worker")
     args, extra = parser.parse_known_args(argv)
     out = ["worker", "--pool", args.pool, "--loglevel", args.loglevel]
     out += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
-    if not args.no_beat:
-        out.append("-B")
+    if args.no_beat:
+        os.environ["STABILITY_SWEEPER"] = "0"
     if args.concurrency is not None:
         out += ["--concurrency", str(args.concurrency)]
     return out + extra

@@ -6,8 +6,9 @@ triggers, the data stays in Redis Streams, so the app needs no result backend. W
 Cluster (``redis+cluster://...``, see :mod:`stability.redis_url`) the broker must be set apart: kombu's Redis
 transport talks to one server (it has no cluster client), so a cluster URL without ``STABILITY_BROKER_URL`` (or
 a cluster URL as broker) is a :class:`ConfigError` at start. Settings follow service-notes §3: late acks,
-re-queue when a worker process dies, one message prefetched per process, JSON only, and a beat schedule that runs
-``sweep`` every ``STABILITY_SWEEP_S`` seconds (default 1.0).
+re-queue when a worker process dies, one message prefetched per process, JSON only. ``sweep`` runs every
+``STABILITY_SWEEP_S`` seconds (default 1.0) in whichever worker holds the sweep lease (``worker.tasks.Sweeper``);
+the beat schedule below is kept only for a deployment that still runs a separate ``celery beat``.
 
 Environment:
 
@@ -24,6 +25,9 @@ variable                    default                     meaning
 ``STABILITY_DRAIN_S``       ``20``                      time budget of one drain task
 ``STABILITY_SNAPSHOT_S``    ``5``                       seconds between detector snapshots (+ acks, trim)
 ``STABILITY_SNAPSHOT_N``    ``5000``                    entries after which a snapshot is taken anyway
+``STABILITY_SHARD_SIZE``    ``0``                       ranks per shard of a run not drained yet (0: runs
+                                                        are not sharded unless their metadata says so)
+``STABILITY_SWEEPER``       ``1``                       0: this worker never takes the sweep lease
 ==========================  ==========================  ===============================================
 """
 
@@ -79,6 +83,10 @@ class WorkerSettings:
     """Seconds between commits of a run (detector snapshot, acks, stream trim); see ``drain.SnapshotPolicy``."""
     snapshot_n: int = 5_000
     """Entries processed after which a run is committed anyway."""
+    shard_size: int = 0
+    """Ranks per shard for runs this worker starts draining (0: no sharding; see ``worker.shards``)."""
+    sweeper: bool = True
+    """Whether this worker takes part in the sweep lease (``worker.tasks.Sweeper``)."""
 
     def __post_init__(self) -> None:
         check_url(self.redis_url, "STABILITY_REDIS_URL")
@@ -95,6 +103,8 @@ class WorkerSettings:
             raise ConfigError(f"STABILITY_SNAPSHOT_S must be >= 0, got {self.snapshot_s}")
         if self.snapshot_n < 1:
             raise ConfigError(f"STABILITY_SNAPSHOT_N must be >= 1, got {self.snapshot_n}")
+        if self.shard_size < 0:
+            raise ConfigError(f"STABILITY_SHARD_SIZE must be >= 0, got {self.shard_size}")
 
     @property
     def client_url(self) -> str:
@@ -145,6 +155,8 @@ class WorkerSettings:
             drain_s=get("STABILITY_DRAIN_S", float, 20.0),
             snapshot_s=get("STABILITY_SNAPSHOT_S", float, 5.0),
             snapshot_n=int(get("STABILITY_SNAPSHOT_N", int, 5_000)),
+            shard_size=int(get("STABILITY_SHARD_SIZE", int, 0)),
+            sweeper=int(get("STABILITY_SWEEPER", int, 1)) != 0,
         )
 
 

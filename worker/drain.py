@@ -31,6 +31,10 @@ Why snapshots and not a state SET per batch: the detector state of a run is tens
 with every batch made the append-only file grow by that much several times a second. With a snapshot every few
 seconds Redis holds, per run, one state, the entries since the last commit and the not-yet-drained backlog.
 
+A sharded run (metadata ``shard_size`` > 0) is refused here (status ``sharded``); its shards are drained by
+:class:`~stability.worker.shards.ShardDrainer`, this class with hooks (``_select``, ``_after_batch``,
+``_may_finish``, ...) for the shard's keys, summaries and end of run.
+
 Malformed entries (not decodable, missing field ``r``, wrong run) are never retried: they go to
 ``keys.errors(run)`` with the reason, count in the metadata field ``errors`` and are acked with the next commit.
 """
@@ -144,7 +148,8 @@ class DrainResult:
 
     status: str
     """``busy`` (lease held elsewhere), ``idle`` (caught up), ``timeout`` (time budget spent, more may remain),
-    ``drained`` (run finished and fully processed), ``lease_lost`` (stopped without committing)."""
+    ``drained`` (run finished and fully processed), ``lease_lost`` (stopped without committing), ``sharded`` (the run
+    is sharded: its shards and cross-rank stage drain it, see :mod:`stability.worker.shards`)."""
     processed: int = 0
     """Entries processed (records and rejected entries), committed or still pending until the next commit."""
     rejected: int = 0
@@ -176,6 +181,8 @@ class _Context:
     rejects: list[tuple[int, str, str]] = field(default_factory=list)
     since_commit: int = 0
     committed_at: float = field(default_factory=time.monotonic)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """What a subclass keeps with the context (a shard's summary watermark)."""
 
 
 _CONTEXTS: dict[str, _Context] = {}
@@ -232,23 +239,31 @@ class Drainer:
         self._release = client.register_script(_RELEASE)
         self._take_over = client.register_script(_TAKE_OVER)
         self._logged_reject = False
+        self._lock_key = keys.lock(run_id)
+        self._state_key = keys.state(run_id)
+        self._owner_key = owner_key(run_id)
+        self._context_key = run_id
+        """Key of this drain's continuation in ``_CONTEXTS`` (a shard of a run has its own)."""
 
     # -- lease -----------------------------------------------------------------------------------------------
 
     def run(self) -> DrainResult:
         """Drain until caught up, finished or out of time; return at once if the lease is held elsewhere."""
         token = secrets.token_hex(16)
-        lock = keys.lock(self.run_id)
+        lock = self._lock_key
         if not self.client.set(lock, token, nx=True, px=self.lease_ms):
             logger.debug("%s: lease busy, skipping", self.run_id)
             return DrainResult(status="busy")
         ctx: _Context | None = None
         try:
+            refused = self._refuse()
+            if refused is not None:
+                return DrainResult(status=refused)
             ctx = self._resume()
             result = self._drain(token, ctx)
             if result.status != "drained":
                 with _CONTEXTS_LOCK:
-                    _CONTEXTS[self.run_id] = ctx  # only a clean return keeps the in-memory continuation
+                    _CONTEXTS[self._context_key] = ctx  # only a clean return keeps the in-memory continuation
                     while len(_CONTEXTS) > MAX_KEPT_CONTEXTS:
                         del _CONTEXTS[next(iter(_CONTEXTS))]
             return result
@@ -259,25 +274,73 @@ class Drainer:
             self._release(keys=[lock], args=[token])
 
     def _renew(self, token: str) -> None:
-        if not self._extend(keys=[keys.lock(self.run_id)], args=[token, self.lease_ms]):
+        if not self._extend(keys=[self._lock_key], args=[token, self.lease_ms]):
             raise _LeaseLost
 
     def _resume(self) -> _Context:
         """This process's continuation of the run if it still owns it, else a fresh one from the snapshot."""
         with _CONTEXTS_LOCK:
-            kept = _CONTEXTS.pop(self.run_id, None)
+            kept = _CONTEXTS.pop(self._context_key, None)
         fresh = secrets.token_hex(16)
         mine = kept is not None and kept.factory is self._new_diagnoser
-        if self._take_over(keys=[owner_key(self.run_id)], args=[kept.token if mine and kept else "", fresh]) and kept:
+        if self._take_over(keys=[self._owner_key], args=[kept.token if mine and kept else "", fresh]) and kept:
             return kept
-        return _Context(token=fresh, factory=self._new_diagnoser, diag=self._load_diagnoser())
+        ctx = _Context(token=fresh, factory=self._new_diagnoser, diag=self._load_diagnoser())
+        self._fresh_context(ctx)
+        return ctx
+
+    # -- hooks of a sharded run's shard drain (worker.shards.ShardDrainer) ------------------------------------
+
+    def _refuse(self) -> str | None:
+        """A status when this drainer must not drain the run: ``sharded`` for a run whose metadata has
+        ``shard_size`` > 0 (its shards and cross-rank stage drain it, see :mod:`stability.worker.shards`)."""
+        raw = self.client.hget(keys.meta(self.run_id), "shard_size")
+        return "sharded" if raw is not None and raw not in (b"0", "0") else None
+
+    def _fresh_context(self, ctx: _Context) -> None:
+        """A context was loaded from the snapshot (not continued in memory)."""
+
+    def _already_drained(self) -> bool:
+        """Whether this unit of work was finished by an earlier drain."""
+        if self.client.hexists(keys.meta(self.run_id), "drained"):
+            self.client.srem(keys.RUNS, self.run_id)
+            return True
+        return False
+
+    def _select(self, ranks: list[int]) -> list[int]:
+        """The ranks this drain reads (all of them: a shard drain reads its shard's)."""
+        return ranks
+
+    def _before_batch(self, ctx: _Context) -> None:
+        """Called before each batch is read."""
+
+    def _after_batch(self, token: str, ctx: _Context, batch: _Batch, ranks: list[int]) -> None:
+        """Called after each batch was processed and before it is emitted (``batch.acks`` empty: nothing new)."""
+
+    def _may_finish(self, token: str, ctx: _Context, result: DrainResult) -> bool:
+        """Whether the run may be finished now that every rank ended and nothing is left."""
+        return True
+
+    def _close_sinks(self, token: str) -> None:
+        """The end of the drained unit: close the sinks for the run."""
+        with self._lease_kept(token):
+            for sink in self.sinks:
+                sink.close(self.run_id)
+
+    def _finished(self, pipe: Any) -> None:
+        """Commands added to the final commit (mark the run drained)."""
+        pipe.hset(keys.meta(self.run_id), "drained", repr(time.time()))
+
+    def _after_finish(self) -> None:
+        """After the final commit: the run is no longer active."""
+        # not in the transaction: keys.RUNS is global (another hash slot on a Redis Cluster); a crash here leaves a
+        # drained run in RUNS, which the next drain removes (see _already_drained)
+        self.client.srem(keys.RUNS, self.run_id)
 
     # -- main loop -------------------------------------------------------------------------------------------
 
     def _drain(self, token: str, ctx: _Context) -> DrainResult:
-        meta = keys.meta(self.run_id)
-        if self.client.hexists(meta, "drained"):
-            self.client.srem(keys.RUNS, self.run_id)
+        if self._already_drained():
             return DrainResult(status="drained")
         result = DrainResult(status="idle")
         deadline = time.monotonic() + self.max_seconds
@@ -285,13 +348,16 @@ class Drainer:
             self._renew(token)
             ranks = self._ranks(ctx)
             ended = self._all_ended(ranks)  # read before the batch: an emitter marks the end after its last XADD
+            self._before_batch(ctx)
             with self._lease_kept(token):  # a slow batch (busy CPU, many signals) must not lose the lease midway
                 batch = self._read_batch(ranks, ctx)
-                if batch.acks:
+                self._after_batch(token, ctx, batch, ranks)
+                if batch.acks or batch.findings:
                     for sink in self.sinks:
                         sink.emit(self.run_id, batch.findings, batch.entries)
             if not batch.acks:
-                if ended:
+                result.findings += batch.findings
+                if ended and self._may_finish(token, ctx, result):
                     result.findings += self._finish(token, ctx, result)
                     result.status = "drained"
                 elif self._due(ctx):
@@ -319,7 +385,7 @@ class Drainer:
 
     def _ranks(self, ctx: _Context) -> list[int]:
         members: Iterable[bytes] = self.client.smembers(keys.ranks(self.run_id))  # type: ignore[assignment]
-        ranks = sorted(int(m) for m in members)
+        ranks = self._select(sorted(int(m) for m in members))
         for rank in ranks:
             if rank not in ctx.cursors:
                 self._create_group(rank)
@@ -335,7 +401,7 @@ class Drainer:
 
     def _load_diagnoser(self) -> Diagnoser:
         diag = self._new_diagnoser()
-        raw = self.client.get(keys.state(self.run_id))
+        raw = self.client.get(self._state_key)
         if raw is not None:
             diag.load_state_dict(msgpack.unpackb(raw, raw=False, strict_map_key=False))  # type: ignore[arg-type]
         return diag
@@ -468,18 +534,10 @@ class Drainer:
         findings = ctx.diag.finish()
         for sink in self.sinks:
             sink.emit(self.run_id, findings, [])
-        with self._lease_kept(token):
-            for sink in self.sinks:
-                sink.close(self.run_id)
-
-        def ops(pipe: Any) -> None:
-            pipe.hset(keys.meta(self.run_id), "drained", repr(time.time()))
-
-        self._commit(token, ctx, result, ops)
-        # not in the transaction: keys.RUNS is global (another hash slot on a Redis Cluster); a crash here leaves a
-        # drained run in RUNS, which the next drain removes (see _drain)
-        self.client.srem(keys.RUNS, self.run_id)
-        logger.info("%s: drained (%d findings at finish)", self.run_id, len(findings))
+        self._close_sinks(token)
+        self._commit(token, ctx, result, self._finished)
+        self._after_finish()
+        logger.info("%s: drained (%d findings at finish)", self._context_key, len(findings))
         return findings
 
     @contextlib.contextmanager
@@ -494,7 +552,7 @@ class Drainer:
                 except (_LeaseLost, redis.RedisError):
                     return
 
-        thread = threading.Thread(target=keep, name=f"stability-lease-{self.run_id}", daemon=True)
+        thread = threading.Thread(target=keep, name=f"stability-lease-{self._context_key}", daemon=True)
         thread.start()
         try:
             yield
@@ -504,7 +562,7 @@ class Drainer:
 
     def _transaction(self, token: str, diag: Diagnoser, ops: Callable[[Any], None]) -> list[Any]:
         """Run ``SET state`` + ``ops`` in MULTI/EXEC if the lease is still ours; returns the replies of ``ops``."""
-        lock = keys.lock(self.run_id)
+        lock = self._lock_key
         state = msgpack.packb(diag.state_dict(), use_bin_type=True)
         with self.client.pipeline(transaction=True) as pipe:
             try:
@@ -513,7 +571,7 @@ class Drainer:
                 if current != token.encode():
                     raise _LeaseLost
                 pipe.multi()
-                pipe.set(keys.state(self.run_id), state)
+                pipe.set(self._state_key, state)
                 ops(pipe)
                 pipe.pexpire(lock, self.lease_ms)
                 replies: list[Any] = pipe.execute()

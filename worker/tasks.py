@@ -1,26 +1,42 @@
-"""Celery tasks: ``sweep`` (beat, every few seconds) triggers ``drain(run_id)`` for each active run.
+"""Celery tasks: ``sweep`` (every ``STABILITY_SWEEP_S``) triggers ``drain(run_id)`` for each active run, or, for a
+sharded run, ``drain_shard(run_id, shard, size)`` per shard and ``crossrank(run_id, size)`` (:mod:`.shards`).
 
-A trigger is cheap and may be lost or duplicated: the drain takes a per-run lease, and the streams hold the data.
-``sweep`` sends at most one queued ``drain`` per run (marker key ``<lock>:trigger``, cleared when the drain starts
-and expiring after one lease, so a trigger lost with a killed worker is re-sent).
+A trigger is cheap and may be lost or duplicated: the drain takes a per-run (per-shard) lease, and the streams hold
+the data. ``sweep`` sends at most one queued task per run or shard (marker key ``keys.trigger`` /
+``keys.shard_trigger``, cleared when the task starts and expiring after one lease, so a trigger lost with a killed
+worker is re-sent).
+
+**Who sweeps.** Every worker process runs a :class:`Sweeper` thread (started when the worker is ready, unless
+``STABILITY_SWEEPER=0``, which ``stability worker --no-beat`` sets): each period it takes or renews the global lease
+``keys.SWEEPER`` (``SET NX PX``, a few sweep periods long) and sweeps only while it holds it. When the sweeping
+worker dies, however it dies, its lease expires and another worker takes over within one lease; there is no beat
+process to be left orphaned. Two sweeps at once (a worker stalled past its lease) are harmless: the trigger markers
+keep one queued task per run.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import secrets
+import threading
+import time
+from typing import Any
 
 import redis
+from celery import signals
 
 from stability import keys
 from stability.redis_url import RedisClient, connect
 from stability.worker.advice import AdviceSink
 from stability.worker.app import app, settings
-from stability.worker.drain import Drainer, SnapshotPolicy
+from stability.worker.crossrank_stage import CrossRankStage
+from stability.worker.drain import Drainer, DrainResult, SnapshotPolicy
+from stability.worker.shards import ShardDrainer, decide_shard_size, run_ranks, shards_of
 from stability.worker.sinks import ArchiveSink, ConsoleSink, RedisFindingsSink, ReportSink, Sink, redis_meta
 from stability.worker.wandb_sink import WandbSink, _RunState
 
-__all__ = ["drain", "sweep"]
+__all__ = ["Sweeper", "crossrank", "drain", "drain_shard", "sweep"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,21 +77,111 @@ def trigger_key(run_id: str) -> str:
     return keys.trigger(run_id)
 
 
+def _trigger(marker: str, task: Any, *args: Any) -> int:
+    """Send ``task(*args)`` unless one is queued (``marker``); 1 if sent."""
+    if not client().set(marker, b"1", nx=True, px=settings.lease_ms):
+        return 0
+    try:
+        task.delay(*args)
+    except Exception:
+        client().delete(marker)
+        raise
+    return 1
+
+
 @app.task(name="stability.sweep")  # type: ignore[untyped-decorator]
 def sweep() -> int:
-    """Send ``drain(run_id)`` for every active run that has no trigger queued; return how many were sent."""
+    """Send a drain task for every active run (every shard and the cross-rank stage of a sharded run) that has no
+    trigger queued; return how many were sent."""
     sent = 0
     members: set[bytes] = client().smembers(keys.RUNS)  # type: ignore[assignment]
     for raw in sorted(members):
         run_id = raw.decode()
-        if client().set(trigger_key(run_id), b"1", nx=True, px=settings.lease_ms):
-            try:
-                drain.delay(run_id)
-            except Exception:
-                client().delete(trigger_key(run_id))
-                raise
-            sent += 1
+        size = decide_shard_size(client(), run_id, settings.shard_size)
+        if not size:
+            sent += _trigger(trigger_key(run_id), drain, run_id)
+            continue
+        for shard in shards_of(run_ranks(client(), run_id), size):
+            sent += _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size)
+        sent += _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size)
     return sent
+
+
+_SWEEP_LEASE = """
+local cur = redis.call('GET', KEYS[1])
+if cur == false then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end
+if cur == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
+return 0
+"""
+_SWEEP_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class Sweeper:
+    """Runs :func:`sweep` every ``every_s`` seconds while this process holds the global sweep lease (see the module
+    docstring); a failing sweep is logged at most once a minute (no traceback flood)."""
+
+    def __init__(self, every_s: float, lease_ms: int | None = None) -> None:
+        self.every_s = every_s
+        self.lease_ms = lease_ms if lease_ms is not None else max(2_000, int(every_s * 4_000))
+        self.token = secrets.token_hex(16)
+        self.holding = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="stability-sweeper", daemon=True)
+        self._logged = -1e9
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop sweeping and hand the lease back (another worker takes over at its next period)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        try:
+            client().execute_command("EVAL", _SWEEP_RELEASE, 1, keys.SWEEPER, self.token)
+        except redis.RedisError:
+            pass
+
+    def tick(self) -> int | None:
+        """One period: take or renew the lease; sweep if held. Returns the tasks sent (None: another sweeps)."""
+        held = bool(client().execute_command("EVAL", _SWEEP_LEASE, 1, keys.SWEEPER, self.token, self.lease_ms))
+        if held != self.holding:
+            logger.info("sweeper: %s the sweep lease", "took" if held else "lost")
+            self.holding = held
+        return sweep() if held else None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.tick()
+            except Exception as exc:  # Redis or the broker away: keep trying, say so once a minute
+                now = time.monotonic()
+                if now - self._logged >= 60:
+                    self._logged = now
+                    logger.warning("sweeper: sweep failed (%s: %s); retrying every %.1f s", type(exc).__name__, exc,
+                                   self.every_s)
+
+
+_SWEEPER: list[Sweeper] = []
+
+
+@signals.worker_ready.connect  # type: ignore[untyped-decorator]
+def _start_sweeper(**_: Any) -> None:
+    """Every worker takes part in the sweep lease (unless STABILITY_SWEEPER=0)."""
+    if settings.sweeper and not _SWEEPER:
+        sweeper = Sweeper(settings.sweep_s)
+        _SWEEPER.append(sweeper)
+        sweeper.start()
+        logger.info("sweeper: started (every %.2f s, lease %d ms)", sweeper.every_s, sweeper.lease_ms)
+
+
+@signals.worker_shutting_down.connect  # type: ignore[untyped-decorator]
+def _stop_sweeper(**_: Any) -> None:
+    while _SWEEPER:
+        _SWEEPER.pop().stop()
 
 
 @app.task(name="stability.drain")  # type: ignore[untyped-decorator]
@@ -86,9 +192,43 @@ def drain(run_id: str) -> str:
         client(), run_id, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms, max_seconds=settings.drain_s,
         snapshot=SnapshotPolicy(every_s=settings.snapshot_s, every_records=settings.snapshot_n),
     ).run()
+    _log(run_id, result)
+    return result.status
+
+
+def _log(name: str, result: DrainResult) -> None:
     if result.processed or result.status not in ("idle", "busy"):
         logger.info(
             "%s: %s, %d entries (%d rejected), %d findings",
-            run_id, result.status, result.processed, result.rejected, len(result.findings),
+            name, result.status, result.processed, result.rejected, len(result.findings),
         )  # fmt: skip
+
+
+@app.task(name="stability.drain_shard")  # type: ignore[untyped-decorator]
+def drain_shard(run_id: str, shard: int, size: int) -> str:
+    """Drain one shard of a sharded run (:class:`~stability.worker.shards.ShardDrainer`)."""
+    client().delete(keys.shard_trigger(run_id, shard))
+    result = ShardDrainer(
+        client(), run_id, shard, size, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms,
+        max_seconds=settings.drain_s, snapshot=SnapshotPolicy(every_s=settings.snapshot_s,
+                                                              every_records=settings.snapshot_n),
+    ).run()
+    _log(f"{run_id} shard {shard}", result)
+    if result.processed:  # new summaries: the cross-rank stage now, not at the next sweep
+        _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size)
+    return result.status
+
+
+@app.task(name="stability.crossrank")  # type: ignore[untyped-decorator]
+def crossrank(run_id: str, size: int) -> str:
+    """Run the cross-rank stage of a sharded run (:class:`~stability.worker.crossrank_stage.CrossRankStage`)."""
+    client().delete(keys.shard_trigger(run_id, keys.CROSSRANK))
+    result = CrossRankStage(
+        client(), run_id, size, sinks=sinks(), lease_ms=settings.lease_ms, max_seconds=settings.drain_s,
+        snapshot=SnapshotPolicy(every_s=settings.snapshot_s, every_records=settings.snapshot_n),
+    ).run()
+    _log(f"{run_id} cross-rank", result)
+    if result.processed:  # more steps decided: the shards release their held findings now, not at the next sweep
+        for shard in shards_of(run_ranks(client(), run_id), size):
+            _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size)
     return result.status

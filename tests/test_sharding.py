@@ -1,0 +1,328 @@
+"""Sharded runs (issue #10): one run's ranks drained as shards plus a cross-rank stage give the findings of the
+unsharded drain; exactly once across a killed worker; old runs still drain; any worker takes over the sweep when the
+sweeping worker dies (issue #14 item 4). Real redis-server; real worker processes where the behaviour is theirs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+
+from stability import keys
+from stability.embedded import RedisServer
+from stability.records import StepRecord, encode
+from stability.worker import crossrank_stage, drain
+from stability.worker.crossrank_stage import CrossRankStage
+from stability.worker.drain import Drainer, SnapshotPolicy
+from stability.worker.shards import ShardDrainer, decide_shard_size
+from stability.worker.sinks import RedisFindingsSink
+
+RANKS = 8
+STEPS = 80
+FAULTY = 5
+"""Its post-reduce grad norm leaves the others' from FAULT_STEP on (a bad GPU)."""
+FAULT_STEP = 40
+NAN_RANK, NAN_STEP = 2, 60
+
+
+def record(run: str, rank: int, step: int) -> StepRecord:
+    loss = 3.0 - 0.01 * step + 0.002 * math.sin(rank + step)
+    if (rank, step) == (NAN_RANK, NAN_STEP):
+        loss = math.nan
+    grad = 1.0 + 0.05 * math.sin(step / 3)
+    if rank == FAULTY and step >= FAULT_STEP:
+        grad *= 2.5
+    return StepRecord(run_id=run, step=step, rank=rank, wall_time=1e9 + step, host=f"node-{rank // 2}",
+                      signals={"loss": loss, "grad_norm": grad, "lr": 1e-3})
+
+
+def write_run(client: Any, run: str, steps: range, *, end: bool = False, active: bool = True) -> None:
+    client.sadd(keys.ranks(run), *range(RANKS))
+    pipe = client.pipeline(transaction=False)
+    for step in steps:
+        for rank in range(RANKS):
+            pipe.xadd(keys.records(run, rank), {"r": encode(record(run, rank, step))}, id=f"{1_000_000 + step}-{step}")
+    pipe.execute()
+    if end:
+        client.hset(keys.meta(run), mapping={f"ended:{r}": "1" for r in range(RANKS)})
+    if active:
+        client.sadd(keys.RUNS, run)
+
+
+def findings(client: Any, run: str) -> list[dict[str, Any]]:
+    return [json.loads(f[b"f"]) for _, f in client.xrange(keys.findings(run))]
+
+
+def alerted(client: Any, run: str) -> set[tuple[int, str, int, str]]:
+    return {(f["rank"], f["kind"], f["step"], f["severity"]) for f in findings(client, run)}
+
+
+def drain_sharded(client: Any, run: str, size: int, order: list[int | str], *, batch: int = 16) -> int:
+    """Drain a sharded run in-process, shards and cross-rank stage in ``order`` each round; return the rounds."""
+    sinks = [RedisFindingsSink(client)]
+    policy = SnapshotPolicy(every_s=0.0)
+    for rounds in range(1, 500):
+        for unit in order:
+            if unit == "x":
+                CrossRankStage(client, run, size, sinks=sinks, snapshot=policy, read_count=3).run()
+            else:
+                assert isinstance(unit, int)
+                ShardDrainer(client, run, unit, size, sinks=sinks, batch=batch, snapshot=policy).run()
+        if client.hexists(keys.meta(run), "drained"):
+            return rounds
+    raise AssertionError("the sharded run was not drained")
+
+
+@pytest.fixture
+def fresh_process_state() -> Iterator[None]:
+    """Each drain starts from Redis, as a new worker would (no in-memory continuation from another test)."""
+    drain._CONTEXTS.clear()
+    crossrank_stage._STATES.clear()
+    yield
+    drain._CONTEXTS.clear()
+    crossrank_stage._STATES.clear()
+
+
+def test_sharded_drain_finds_what_the_unsharded_drain_finds(redis_client: Any, fresh_process_state: None) -> None:
+    write_run(redis_client, "flat", range(STEPS), end=True)
+    while Drainer(redis_client, "flat", sinks=[RedisFindingsSink(redis_client)], batch=16).run().status != "drained":
+        pass
+    expected = alerted(redis_client, "flat")
+    assert (FAULTY, "rank_disagreement", FAULT_STEP, "error") in expected
+    assert (NAN_RANK, "nan", NAN_STEP, "error") in expected
+
+    write_run(redis_client, "sharded", range(STEPS), end=True)
+    redis_client.hset(keys.meta("sharded"), "shard_size", "2")  # 4 shards of 2 ranks
+    # uneven progress: shard 3 and the cross-rank stage first, shard 0 last; small batches
+    drain_sharded(redis_client, "sharded", 2, [3, "x", 1, 2, "x", 0])
+    assert alerted(redis_client, "sharded") == expected
+    by_kind = {(f["rank"], f["kind"]): f for f in findings(redis_client, "sharded")}
+    disagreement = by_kind[(FAULTY, "rank_disagreement")]
+    assert f"rank {FAULTY} (host node-{FAULTY // 2})" in disagreement["message"]
+    assert disagreement["host"] == f"node-{FAULTY // 2}"
+    assert disagreement["causes"][0]["cause"] == "hardware_fault"
+    nan_flat = next(f for f in findings(redis_client, "flat") if f["kind"] == "nan")
+    assert by_kind[(NAN_RANK, "nan")]["causes"][0]["cause"] == nan_flat["causes"][0]["cause"]
+    # everything acked, summaries consumed and trimmed, every shard done
+    for rank in range(RANKS):
+        assert redis_client.xpending(keys.records("sharded", rank), keys.GROUP)["pending"] == 0
+    meta = redis_client.hgetall(keys.meta("sharded"))
+    assert {k for k in meta if k.startswith(b"shard_done:")} == {b"shard_done:%d" % s for s in range(4)}
+    assert not redis_client.sismember(keys.RUNS, "sharded")
+    assert sum(redis_client.xlen(keys.summaries("sharded", s)) for s in range(4)) <= 4
+
+
+def test_held_finding_carries_the_cross_rank_verdict(redis_client: Any, fresh_process_state: None) -> None:
+    """The NaN rank's own finding waits for the cross-rank stage and is ranked with its verdict (the NaN on one rank
+    only also names hardware_fault, as in the unsharded drain), though its shard is drained far ahead of the other."""
+    write_run(redis_client, "held", range(STEPS), end=True)
+    redis_client.hset(keys.meta("held"), "shard_size", "4")
+    drain_sharded(redis_client, "held", 4, [0, 0, 0, "x", 1, "x"], batch=500)
+    nan = next(f for f in findings(redis_client, "held") if f["kind"] == "nan")
+    assert (nan["rank"], nan["step"]) == (NAN_RANK, NAN_STEP)
+    assert [c["cause"] for c in nan["causes"]] == ["numerical_nan", "hardware_fault"]
+
+
+def test_cross_rank_stage_killed_before_its_commit_repeats_nothing(redis_client: Any,
+                                                                  fresh_process_state: None) -> None:
+    """The stage fed summaries and published verdicts but never committed (its process died): the next stage
+    re-reads the same summaries from its snapshot; the findings are those of the unsharded drain, each once."""
+    write_run(redis_client, "xcrash", range(STEPS))
+    redis_client.hset(keys.meta("xcrash"), "shard_size", "4")
+    sinks = [RedisFindingsSink(redis_client)]
+    for shard in (0, 1):
+        ShardDrainer(redis_client, "xcrash", shard, 4, sinks=sinks, batch=500).run()
+    slow = SnapshotPolicy(every_s=3600, every_records=10**6)
+    dying = CrossRankStage(redis_client, "xcrash", 4, sinks=sinks, snapshot=slow, lease_ms=300)
+    assert dying.run().processed == RANKS * STEPS
+    assert redis_client.get(keys.shard_state("xcrash", "x")) is None  # never committed
+    assert (FAULTY, "rank_disagreement", FAULT_STEP, "error") in alerted(redis_client, "xcrash")
+    crossrank_stage._STATES.clear()  # the process is gone
+    time.sleep(0.35)  # its lease expires
+    redis_client.hset(keys.meta("xcrash"), mapping={f"ended:{r}": "1" for r in range(RANKS)})
+    drain_sharded(redis_client, "xcrash", 4, ["x", 0, 1])
+    assert alerted(redis_client, "xcrash") == expected_alerts("xcrash")
+    seen = Counter((f["rank"], f["kind"], f["step"]) for f in findings(redis_client, "xcrash"))
+    assert max(seen.values()) == 1
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Any]:
+    """The 3-node Redis Cluster of tests/test_cluster.py."""
+    import test_cluster
+
+    binary = test_cluster._binary()
+    if binary is None:
+        pytest.skip("no system redis-server (7.x) to run cluster nodes")
+    nodes = test_cluster.Cluster(tmp_path / "cluster", binary)
+    try:
+        yield nodes.start()
+    finally:
+        nodes.stop()
+
+
+def test_sharded_drain_over_a_three_node_cluster(cluster: Any, fresh_process_state: None) -> None:
+    """Every key of a sharded run (shards, summaries, watermarks, verdicts, cross-rank stage) is in the run's slot:
+    the shard and cross-rank transactions and scripts run on a Redis Cluster, with the unsharded drain's findings."""
+    from stability.redis_url import connect
+
+    client = connect(cluster.url, socket_timeout=5)
+    write_run(client, "clustered", range(STEPS), end=True)
+    client.hset(keys.meta("clustered"), "shard_size", "4")
+    drain_sharded(client, "clustered", 4, [1, "x", 0])
+    assert alerted(client, "clustered") == expected_alerts("clustered")
+    client.close()
+
+
+def test_shard_size_is_fixed_once_and_never_for_a_run_already_drained(redis_client: Any) -> None:
+    write_run(redis_client, "new", range(2))
+    assert decide_shard_size(redis_client, "new", 0) == 0  # a worker without sharding writes nothing
+    assert not redis_client.hexists(keys.meta("new"), "shard_size")
+    assert decide_shard_size(redis_client, "new", 4) == 4
+    assert decide_shard_size(redis_client, "new", 2) == 4  # never changed for the run
+    write_run(redis_client, "old", range(2))
+    redis_client.set(keys.state("old"), b"x")  # an unsharded drain committed a snapshot
+    assert decide_shard_size(redis_client, "old", 4) == 0
+    # the unsharded drainer refuses a sharded run (a drain task queued before the decision)
+    status = Drainer(redis_client, "new", sinks=[RedisFindingsSink(redis_client)]).run().status
+    assert status == "sharded"
+
+
+def test_exactly_once_when_a_shard_drain_dies_mid_run(redis_client: Any, fresh_process_state: None) -> None:
+    """A shard drain that processed and summarized entries but never committed (its process died): the next drain
+    re-processes them from the snapshot and writes no summary twice."""
+    write_run(redis_client, "crash", range(STEPS // 2))
+    redis_client.hset(keys.meta("crash"), "shard_size", "4")
+    sinks = [RedisFindingsSink(redis_client)]
+    slow = SnapshotPolicy(every_s=3600, every_records=10**6)
+    dying = ShardDrainer(redis_client, "crash", 1, 4, sinks=sinks, batch=8, snapshot=slow, lease_ms=200)
+    assert dying.run().processed == 4 * STEPS // 2
+    assert redis_client.xpending(keys.records("crash", 4), keys.GROUP)["pending"] == STEPS // 2  # never acked
+    drain._CONTEXTS.clear()  # the process is gone
+    time.sleep(0.25)  # its lease expires
+    write_run(redis_client, "crash", range(STEPS // 2, STEPS), end=True)
+    for _ in range(3):  # both shards to their end (they then wait for the cross-rank stage)
+        for shard in (0, 1):
+            ShardDrainer(redis_client, "crash", shard, 4, sinks=sinks, batch=8).run()
+    summarized = Counter()
+    for shard in (0, 1):
+        for _, fields in redis_client.xrange(keys.summaries("crash", shard)):
+            summarized.update((item[0], item[1]) for item in msgpack.unpackb(fields[b"s"]))
+    assert sorted(summarized) == [(r, s) for r in range(RANKS) for s in range(STEPS)]
+    assert max(summarized.values()) == 1, "a re-processed entry was summarized twice"
+    drain_sharded(redis_client, "crash", 4, [0, 1, "x"])
+    assert (FAULTY, "rank_disagreement", FAULT_STEP, "error") in alerted(redis_client, "crash")
+    assert (NAN_RANK, "nan", NAN_STEP, "error") in alerted(redis_client, "crash")
+    keys_seen = Counter((f["rank"], f["kind"], f["step"]) for f in findings(redis_client, "crash"))
+    assert max(keys_seen.values()) == 1
+
+
+# ------------------------------------------------------------------------------------------ real worker processes
+@pytest.fixture
+def workers(redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable[[str], subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "STABILITY_"))}
+    env.update(STABILITY_REDIS_URL=redis_server.url, STABILITY_SWEEP_S="0.2", STABILITY_LEASE_MS="1500",
+               STABILITY_BATCH="10", STABILITY_DRAIN_S="2", STABILITY_SHARD_SIZE="2", WANDB_MODE="disabled",
+               STABILITY_SNAPSHOT_S="10",  # processed entries stay pending: the kill lands before their ack
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "stability.worker", "-n", f"{name}@%h"], cwd=tmp_path,
+                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, logs: list[Path]) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    tails = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+    pytest.fail(f"timed out waiting for {what}\n{tails}")
+
+
+def expected_alerts(run: str) -> set[tuple[int, str, int, str]]:
+    from stability.detectors.engine import RunDiagnoser
+
+    diag = RunDiagnoser()
+    out = [f for step in range(STEPS) for rank in range(RANKS) for f in diag.update(record(run, rank, step))]
+    out += diag.finish()
+    return {(f.rank, f.kind, f.step, f.severity.value) for f in out}
+
+
+def test_two_workers_drain_a_sharded_run_and_survive_the_sweeping_worker_dying(
+    redis_client: Any, workers: Callable[[str], subprocess.Popen[bytes]], tmp_path: Path, fresh_process_state: None
+) -> None:
+    """8 ranks in 4 shards drained by 2 real workers; the worker holding the sweep lease is killed (process group)
+    while entries are processed but not acked; the other takes over the sweep, finishes the sharded run with the
+    unsharded drain's findings, every record archived once, and drains an old unsharded run added afterwards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run_dir = tmp_path / "big"
+    run_dir.mkdir()
+    redis_client.hset(keys.meta("big"), mapping={"run_dir": str(run_dir), "started": str(time.time())})
+    write_run(redis_client, "big", range(STEPS // 2))
+    procs = {name: workers(name) for name in ("a", "b")}
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    holder = wait_for("a worker to take the sweep lease", lambda: next(
+        (n for n in procs if b"took the sweep lease" in (tmp_path / f"{n}.log").read_bytes()), None), 120, logs)
+    wait_for("the run to be sharded", lambda: redis_client.hget(keys.meta("big"), "shard_size") == b"2", 60, logs)
+
+    def pending() -> int:
+        try:
+            return sum(redis_client.xpending(keys.records("big", r), keys.GROUP)["pending"] for r in range(RANKS))
+        except redis.ResponseError:  # no consumer group yet
+            return 0
+
+    wait_for("entries processed, not acked", lambda: pending() > 0, 60, logs)
+    os.killpg(procs[holder].pid, signal.SIGKILL)  # the worker and everything it started: a machine going down
+    procs[holder].wait(10)
+    write_run(redis_client, "big", range(STEPS // 2, STEPS), end=True)
+    # an old run: drained by an unsharded worker before the upgrade (it has an unsharded snapshot)
+    write_run(redis_client, "old", range(STEPS // 2), active=False)
+    Drainer(redis_client, "old", sinks=[RedisFindingsSink(redis_client)], snapshot=SnapshotPolicy(every_s=0)).run()
+    assert redis_client.exists(keys.state("old"))
+    write_run(redis_client, "old", range(STEPS // 2, STEPS), end=True)
+
+    survivor = next(n for n in procs if n != holder)
+    wait_for("both runs drained", lambda: all(redis_client.hexists(keys.meta(r), "drained") for r in ("big", "old")),
+             180, logs)
+    assert procs[survivor].poll() is None
+    assert b"took the sweep lease" in (tmp_path / f"{survivor}.log").read_bytes()
+    assert redis_client.hget(keys.meta("old"), "shard_size") == b"0"
+    expected = expected_alerts("big")
+    assert alerted(redis_client, "big") == expected
+    assert (FAULTY, "rank_disagreement", FAULT_STEP, "error") in expected
+    assert (NAN_RANK, "nan", NAN_STEP, "error") in alerted(redis_client, "old")
+    seen = Counter((f["rank"], f["kind"], f["step"]) for f in findings(redis_client, "big"))
+    assert max(seen.values()) == 1
+    parts = sorted((run_dir / "archive").glob("*.parquet"))
+    table = pa.concat_tables(pq.read_table(p, columns=["rank", "step"]) for p in parts)
+    rows = Counter(zip(table.column("rank").to_pylist(), table.column("step").to_pylist(), strict=True))
+    assert sorted(rows) == [(r, s) for r in range(RANKS) for s in range(STEPS)]
+    assert max(rows.values()) == 1, "a record was archived twice"
+    assert (run_dir / "report.html").exists()
