@@ -98,6 +98,42 @@ _CAUSES = (
         signals="log loss has not improved over a long window outside the warm-up, with the LR above its floor.",
     ),
     Cause(
+        id="straggler",
+        title="Straggler rank (one rank slower than its peers)",
+        remedy="Check the named host: GPU clocks and temperature (nvidia-smi -q -d PERFORMANCE), other processes, "
+        "PCIe/NVLink errors, its data-loader workers and local disk; cordon it or restart the job without it.",
+        signals="one rank's data + compute time before the first collective is consistently above its peers'.",
+    ),
+    Cause(
+        id="dataloader_stall",
+        title="Data-loader stall (the loop waits for its batches)",
+        remedy="Raise DataLoader num_workers / prefetch_factor, use pin_memory and persistent_workers, check the "
+        "storage or network the data comes from, and the profile's data-wait share.",
+        signals="data_time (optimizer step to next forward) jumps or rises and explains the step-time rise.",
+    ),
+    Cause(
+        id="slowdown",
+        title="Compute or communication slowdown",
+        remedy="Capture a profile (stability profile RUN_ID --steps 5) and compare top ops with a healthy run: "
+        "recompilation, thermal throttling, contention from other jobs, a slower collective, fragmentation.",
+        signals="step time rose (or one step spiked) without data waiting and outside recurring checkpoint/eval steps.",
+    ),
+    Cause(
+        id="memory_leak",
+        title="Memory leak toward out-of-memory",
+        remedy="Look for tensors kept across steps (losses accumulated without .item()/.detach(), growing lists, "
+        "caches, autograd graphs held by logging); torch.cuda.memory_snapshot() / tracemalloc around the steps.",
+        signals="host RSS or allocated device memory grows steadily step after step.",
+    ),
+    Cause(
+        id="hang",
+        title="Hang (a rank or the whole job stopped making progress)",
+        remedy="Read the dumped Python stacks (hang-rank*-step*.txt in the run directory): a collective waiting "
+        "for a dead or diverged rank, a deadlocked data loader, I/O; set NCCL/gloo timeouts, restart from the last "
+        "checkpoint.",
+        signals="a rank's records stop while others continue, or no step completes within 2x the usual step time.",
+    ),
+    Cause(
         id="unknown",
         title="Unknown",
         remedy="Roll back to the rollback step; inspect per-layer signals around the onset.",

@@ -255,7 +255,7 @@ class Capture:
         self._backward_calls = 0
         self._warned_blind = False
         self._perf = Performance(config.run_id, config.resolved_run_dir, config.redis_url, self._emit_host,
-                                 lambda: self._metadata()[0])  # step timing, watchdog, profiler: hooks/timing.py
+                                 lambda: self._metadata()[0], enabled=config.timing)  # hooks/timing.py
 
     # ----------------------------------------------------------------------------------------------- public API
 

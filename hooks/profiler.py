@@ -37,7 +37,7 @@ import torch
 
 from stability import keys
 
-__all__ = ["POLL_S", "ProfileRequests", "Profiler", "request_profile", "summarize"]
+__all__ = ["POLL_S", "ProfileRequests", "Profiler", "request_from_cli", "request_profile", "summarize"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,37 @@ def request_profile(client: Any, run_id: str, steps: int, reason: str = "on dema
     request = {"id": uuid.uuid4().hex[:12], "steps": int(steps), "reason": reason, "requested": time.time()}
     client.set(keys.profile(run_id), json.dumps(request), ex=REQUEST_TTL_S)
     return request
+
+
+def request_from_cli(run_id: str, steps: int, redis_url: str | None, run_dir: Path | None) -> str:
+    """``stability profile``: store the request in the run's Redis; the line to print.
+
+    Raises:
+        ConfigError: no Redis URL (``--redis``, ``STABILITY_REDIS_URL``, ``--run-dir``'s embedded Redis), a bad run
+            id or step count.
+    """
+    from stability.errors import ConfigError
+    from stability.records import check_run_id
+    from stability.redis_url import connect
+
+    check_run_id(run_id)
+    url = redis_url or os.environ.get("STABILITY_REDIS_URL")
+    if url is None and run_dir is not None:
+        try:
+            url = (run_dir / "redis" / "url").read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{run_dir}: no embedded Redis URL ({exc})") from None
+    if not url:
+        raise ConfigError("stability profile: give --redis URL, STABILITY_REDIS_URL or --run-dir")
+    if not 1 <= steps <= MAX_STEPS:
+        raise ConfigError(f"stability profile: --steps must be 1-{MAX_STEPS}, got {steps}")
+    client = connect(url, socket_timeout=5.0)
+    try:
+        request = request_profile(client, run_id, steps)
+    finally:
+        client.close()
+    return (f"profile {request['id']} requested: each rank of {run_id} profiles its next {steps} steps; traces "
+            "appear as profile-rank<r>-step<s>.json.gz in the run directory")
 
 
 class ProfileRequests:

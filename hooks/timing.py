@@ -90,11 +90,19 @@ class TimingConfig:
         return cls(**values)
 
 
+_STATM: dict[int, int] = {}
+"""pid -> an open descriptor of its ``/proc/<pid>/statm`` (re-read with ``pread``: a few microseconds, no open per
+step; keyed by pid because a forked child inherits the parent's descriptor)."""
+
+
 def host_rss() -> float | None:
     """Resident set size of this process in bytes (``/proc/self/statm``), or None off Linux."""
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return float(int(f.read().split()[1]) * _PAGE)
+        pid = os.getpid()
+        fd = _STATM.get(pid)
+        if fd is None:
+            fd = _STATM[pid] = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+        return float(int(os.pread(fd, 128, 0).split()[1]) * _PAGE)
     except (OSError, ValueError, IndexError):
         return None
 
@@ -272,9 +280,11 @@ class Performance:
 
     def __init__(self, run_id: str, run_dir: Path, redis_url: str | None,
                  emit: Callable[[int, dict[str, float]], None], rank: Callable[[], int],
-                 config: TimingConfig | None = None) -> None:
+                 config: TimingConfig | None = None, *, enabled: bool = True) -> None:
         from stability.hooks.profiler import ProfileRequests
 
+        self.enabled = enabled
+        """False: :meth:`end_step` records nothing and starts no watchdog (``WatchConfig.timing=False``)."""
         self.timing = StepTiming(config or TimingConfig.from_env())
         self.run_dir = run_dir
         self._run_id = run_id
@@ -289,6 +299,8 @@ class Performance:
 
     def end_step(self, step: int, device: torch.device, observed: dict[str, float]) -> dict[str, float]:
         """The step's performance signals (and a finished profile's summary)."""
+        if not self.enabled:
+            return {}
         signals = self.timing.end_step(step, device, observed)
         if self.profiler is None:
             self._start(step)
