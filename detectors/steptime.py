@@ -5,7 +5,8 @@ Per rank, on ``step_time`` (and ``data_time`` when recorded):
 * **Recurring outliers are learned, not alarmed**: a step ``>= spike_ratio`` (3x) the baseline median and ``>=
   z_threshold`` (8) robust sigmas above it (MAD floored at ``floor`` = 5 % of the median) is an outlier. Outliers
   never enter the baseline. An outlier whose distance to the previous outlier equals (+-1 step, +-2 %) one of the
-  last gaps between outliers is expected (checkpoint saves, evaluation every N steps) and raises nothing. A checkpoint
+  last gaps between outliers of similar size (ratios within 2x) is expected (checkpoint saves, evaluation every N
+  steps) and raises nothing. A checkpoint
   save or an evaluation runs between the optimizer step and the next forward, so it counts as ``data_time`` too:
   only recurrence tells it from a data stall.
 * ``spike_count`` (3) irregular outliers within ``spike_window`` (200) steps (one alone may be the first of a
@@ -22,6 +23,7 @@ medians before / after and the data share in ``evidence``; their cause is named 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -79,6 +81,12 @@ class StepTimeConfig:
     recurring series, e.g. the first checkpoint save)."""
 
 
+def _alike(a: float, b: float) -> bool:
+    """Two outliers of the same recurring kind: ratios to the baseline within 2x of each other (a checkpoint save
+    takes about as long each time; load jitter is much smaller)."""
+    return max(a, b) <= 2.0 * min(a, b)
+
+
 class StepTimeDetector:
     """Streaming step-time detector of one rank (see the module docstring)."""
 
@@ -90,7 +98,8 @@ class StepTimeDetector:
         """(step_time, data_time or NaN) of accepted steps before the recent ones."""
         self._recent: deque[tuple[float, float]] = deque(maxlen=self.config.persist)
         self._seen = 0
-        self._outliers: deque[int] = deque(maxlen=self.config.gaps + 1)
+        self._outliers: deque[tuple[int, float]] = deque(maxlen=self.config.gaps + 1)
+        """(step, ratio to the baseline) of the last outliers."""
         self._irregular: list[tuple[int, float, float]] = []
         """(step, ratio, data share) of recent outliers that were not recurring."""
 
@@ -133,10 +142,13 @@ class StepTimeDetector:
 
     def _outlier(self, record: StepRecord, step_time: float, data: float, med: float, scale: float) -> list[Finding]:
         cfg, step = self.config, record.step
-        gaps = [b - a for a, b in zip(self._outliers, list(self._outliers)[1:], strict=False)]
-        last = self._outliers[-1] if self._outliers else None
-        expected = last is not None and any(abs((step - last) - g) <= max(1.0, cfg.gap_tolerance * g) for g in gaps)
-        self._outliers.append(step)
+        ratio_now = step_time / med
+        kept = list(self._outliers)
+        gaps = [b[0] - a[0] for a, b in itertools.pairwise(kept) if _alike(a[1], b[1])]
+        last = kept[-1] if kept else None
+        expected = last is not None and _alike(last[1], ratio_now) and any(
+            abs((step - last[0]) - g) <= max(1.0, cfg.gap_tolerance * g) for g in gaps)
+        self._outliers.append((step, ratio_now))
         if expected:
             return []
         data_med = self._data_median(self._base)
@@ -187,11 +199,11 @@ class StepTimeDetector:
 
     def state_dict(self) -> dict[str, Any]:
         return {"base": [list(b) for b in self._base], "recent": [list(r) for r in self._recent], "seen": self._seen,
-                "outliers": list(self._outliers), "irregular": [list(i) for i in self._irregular]}
+                "outliers": [list(o) for o in self._outliers], "irregular": [list(i) for i in self._irregular]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._base = deque(((float(a), float(b)) for a, b in state["base"]), maxlen=self.config.window)
         self._recent = deque(((float(a), float(b)) for a, b in state["recent"]), maxlen=self.config.persist)
         self._seen = int(state["seen"])
-        self._outliers = deque((int(s) for s in state["outliers"]), maxlen=self.config.gaps + 1)
+        self._outliers = deque(((int(s), float(r)) for s, r in state["outliers"]), maxlen=self.config.gaps + 1)
         self._irregular = [(int(a), float(b), float(c)) for a, b, c in state.get("irregular", [])]

@@ -25,15 +25,15 @@ class SlowSpec:
     steps: int = 60
     compute_s: float = 0.02
     slow_rank: int = 1
-    slow_factor: float = 1.5
+    slow_factor: float = 2.0
     hang_rank: int = 1
     hang_step: int = 50
-    hang_s: float = 2.0
+    hang_s: float = 3.0
 
 
 def slow_worker(rank: int, spec: SlowSpec, port: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      STABILITY_HANG_MIN_S="0.5")
+                      STABILITY_HANG_MIN_S="1.0")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=spec.ranks)
     try:
