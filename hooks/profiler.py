@@ -15,8 +15,13 @@ hands a request it has not seen to :meth:`Profiler.request`. At the next step bo
 and the record of the last profiled step carries ``profile_compute_s``, ``profile_comm_s``, ``profile_memcpy_s``,
 ``profile_data_s`` (that step's record format, so the finding's report and the post-mortem can show them).
 
+A performance incident asks for one too: the worker's advice sink (:class:`stability.worker.advice.AdviceSink`)
+stores a 5-step request when a batch holds a ``straggler``, ``dataloader_stall``, ``slowdown`` or ``memory_leak``
+warning/error, unless a request was stored within the hour (so an incident profiles once, an operator's request is
+not replaced).
+
 Inactive, the profiler costs one attribute test per step (``bench/bench_profiler.py``). Training-side module:
-stdlib, torch and redis only.
+stdlib, torch (imported when a profile starts) and redis only.
 """
 
 from __future__ import annotations
@@ -32,8 +37,6 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from stability import keys
 
@@ -52,13 +55,16 @@ _COMM = ("nccl", "gloo", "c10d", "all_reduce", "allreduce", "all_gather", "allga
 _MEMCPY = ("memcpy", "memset", "cudamemcpy", "htod", "dtoh")
 
 
-def request_profile(client: Any, run_id: str, steps: int, reason: str = "on demand") -> dict[str, Any]:
-    """Store a profile request for ``run_id`` (every rank profiles its next ``steps`` steps); the request."""
+def request_profile(client: Any, run_id: str, steps: int, reason: str = "on demand", *,
+                    only_if_none: bool = False) -> dict[str, Any] | None:
+    """Store a profile request for ``run_id`` (every rank profiles its next ``steps`` steps); the request.
+    ``only_if_none``: not when a request was stored within the last hour (an incident's automatic profile); None
+    then."""
     if not 1 <= steps <= MAX_STEPS:
         raise ValueError(f"profile steps must be 1-{MAX_STEPS}, got {steps}")
     request = {"id": uuid.uuid4().hex[:12], "steps": int(steps), "reason": reason, "requested": time.time()}
-    client.set(keys.profile(run_id), json.dumps(request), ex=REQUEST_TTL_S)
-    return request
+    stored = client.set(keys.profile(run_id), json.dumps(request), ex=REQUEST_TTL_S, nx=only_if_none)
+    return request if stored else None
 
 
 def request_from_cli(run_id: str, steps: int, redis_url: str | None, run_dir: Path | None) -> str:
@@ -88,6 +94,7 @@ def request_from_cli(run_id: str, steps: int, redis_url: str | None, run_dir: Pa
         request = request_profile(client, run_id, steps)
     finally:
         client.close()
+    assert request is not None
     return (f"profile {request['id']} requested: each rank of {run_id} profiles its next {steps} steps; traces "
             "appear as profile-rank<r>-step<s>.json.gz in the run directory")
 
@@ -205,6 +212,8 @@ class Profiler:
         with self._lock:
             request, self._pending = self._pending, None
         assert request is not None
+        import torch  # here: the worker imports request_profile without torch
+
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
