@@ -176,3 +176,23 @@ def test_profile_request_writes_a_chrome_trace_and_a_summary(tmp_path: Path, red
     assert summary["split_s"]["compute"] > 0 and set(summary["split_s"]) == {"compute", "comm", "memcpy", "data"}
     profiled = [r for r in sink.records if "profile_compute_s" in r.signals]
     assert [r.step for r in profiled] == [summary["last_step"]]
+
+
+def test_a_performance_incident_asks_for_one_profile(redis_client) -> None:
+    from stability import keys
+    from stability.detectors.base import Finding, Severity
+    from stability.worker.advice import AdviceSink
+
+    def finding(kind: str, step: int, severity: Severity = Severity.WARNING) -> Finding:
+        return Finding(kind=kind, step=step, onset=step, severity=severity, signal="compute_time", value=1.0,
+                       message="m", detector="d", rank=3)
+
+    sink = AdviceSink(redis_client)
+    sink.emit("r1", [finding("step_time_spike", 5, Severity.INFO), finding("loss_spike", 6)], [])
+    assert redis_client.get(keys.profile("r1")) is None  # neither is a performance warning
+    sink.emit("r1", [finding("straggler", 40)], [])
+    first = json.loads(redis_client.get(keys.profile("r1")))
+    assert first["steps"] == 5 and first["reason"] == "straggler on rank 3 at step 40"
+    sink.emit("r1", [finding("memory_leak", 90)], [])
+    assert json.loads(redis_client.get(keys.profile("r1")))["id"] == first["id"]  # once per hour, not per finding
+    assert 0 < redis_client.ttl(keys.profile("r1")) <= 3600
