@@ -10,11 +10,13 @@ Per rank, on ``step_time`` (and ``data_time`` when recorded):
   save or an evaluation runs between the optimizer step and the next forward, so it counts as ``data_time`` too:
   only recurrence tells it from a data stall.
 * ``spike_count`` (3) irregular outliers within ``spike_window`` (200) steps (one alone may be the first of a
-  recurring series) -> ``dataloader_stall`` WARNING when most of them spent most (>= ``data_share``, half) of their
-  excess waiting for data (``data_time`` above its own median), else ``step_time_spike`` INFO.
+  recurring series) -> ``dataloader_stall`` when most of them spent most (>= ``data_share``, half) of their
+  excess waiting for data (``data_time`` above its own median), WARNING when their median ratio is ``>= warn_stall``
+  (10x), else INFO; otherwise ``step_time_spike`` INFO.
 * **regression**: the median of the last ``persist`` (16) non-outlier steps is ``>= regress_ratio`` (1.3x) the
   median of the ``window`` (128) steps before them -> ``dataloader_stall`` (when data waiting explains at least
-  half of the rise) or ``slowdown`` WARNING; the baseline then restarts from the new level (one alert per change).
+  half of the rise) or ``slowdown``: WARNING from ``warn_ratio`` (2x), INFO below; the baseline then restarts from
+  the new level (one alert per change).
 
 Silent on records without ``step_time`` (every corpus recorded before the timing hooks). Findings carry the
 medians before / after and the data share in ``evidence``; their cause is named by their kind
@@ -71,6 +73,12 @@ class StepTimeConfig:
     persist: int = 16
     regress_ratio: float = 1.3
     data_share: float = 0.5
+    warn_ratio: float = 2.0
+    """A step-time rise (or stalls) of at least this factor is a WARNING; below it an INFO (a shared machine's load
+    moves step times by tens of percent; a dedicated GPU job's step time is steady, and a 2x slower job matters)."""
+    warn_stall: float = 10.0
+    """Irregular stalls whose median ratio to the baseline reaches this factor are a WARNING (load jitter makes
+    3-5x outliers; a data stall of seconds on sub-second steps is far above)."""
     gaps: int = 4
     """Gaps between recent outliers remembered (recurring outliers)."""
     gap_tolerance: float = 0.02
@@ -165,9 +173,11 @@ class StepTimeDetector:
                     "data_share": share, "onset": float(spikes[0][0])}
         what = (f"{len(spikes)} irregular slow steps ({steps}; up to {ratio:.1f}x the usual {med:.3g} s, not a "
                 "recurring checkpoint / eval step)")
+        big = sorted(s[1] for s in spikes)[len(spikes) // 2] >= cfg.warn_stall
         if 2 * data_driven > len(spikes):
             return [Finding(
-                kind="dataloader_stall", step=step, onset=spikes[0][0], severity=Severity.WARNING, signal="data_time",
+                kind="dataloader_stall", step=step, onset=spikes[0][0],
+                severity=Severity.WARNING if big else Severity.INFO, signal="data_time",
                 value=data, score=ratio, detector=self.name, rank=record.rank, host=record.host,
                 evidence={**evidence, "data_time": data},
                 message=f"{what}: {data_driven} of them spent most of the excess waiting for data")]
@@ -187,13 +197,14 @@ class StepTimeDetector:
         self._base.clear()  # the new level is the baseline from now on
         self._base.extend(self._recent)
         self._recent.clear()
+        severity = Severity.WARNING if now >= cfg.warn_ratio * before else Severity.INFO
         if share >= cfg.data_share:
-            return Finding(kind="dataloader_stall", step=record.step, onset=onset, severity=Severity.WARNING,
+            return Finding(kind="dataloader_stall", step=record.step, onset=onset, severity=severity,
                            signal="data_time", value=data_now, score=now / before, detector=self.name,
                            rank=record.rank, host=record.host, evidence=evidence,
                            message=f"{what}; {share:.0%} of the rise is waiting for data "
                                    f"({data_before:.3g} s -> {data_now:.3g} s)")
-        return Finding(kind="slowdown", step=record.step, onset=onset, severity=Severity.WARNING, signal="step_time",
+        return Finding(kind="slowdown", step=record.step, onset=onset, severity=severity, signal="step_time",
                        value=now, score=now / before, detector=self.name, rank=record.rank, host=record.host,
                        evidence=evidence, message=f"{what}; not data waiting (compute or communication got slower)")
 
