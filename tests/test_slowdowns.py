@@ -196,3 +196,15 @@ def test_a_performance_incident_asks_for_one_profile(redis_client) -> None:
     sink.emit("r1", [finding("memory_leak", 90)], [])
     assert json.loads(redis_client.get(keys.profile("r1")))["id"] == first["id"]  # once per hour, not per finding
     assert 0 < redis_client.ttl(keys.profile("r1")) <= 3600
+
+
+def test_profile_command_bad_input_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    os.environ.pop("STABILITY_REDIS_URL", None)
+    assert cli_main(["profile", "r1", "--steps", "3"]) == 2
+    assert "give --redis URL" in capsys.readouterr().err
+    assert cli_main(["profile", "r1", "--steps", "0", "--redis", "redis://127.0.0.1:1/0"]) == 2
+    assert "--steps must be 1-100" in capsys.readouterr().err
+    assert cli_main(["profile", "bad id!", "--redis", "redis://127.0.0.1:1/0"]) == 2
+    assert "run id 'bad id!' is invalid" in capsys.readouterr().err
+    assert cli_main(["profile", "r1", "--run-dir", str(tmp_path)]) == 2
+    assert "no embedded Redis URL" in capsys.readouterr().err
