@@ -21,9 +21,12 @@ host signals below). Signals (global names, same record format as every other si
   with ``Event.query()`` (never waits): the record of step k carries the device time of step k-1.
 
 :class:`Watchdog` is a daemon thread that looks at the last step-end timestamp every ``poll_s``: when no step
-completed within ``factor`` x the usual step time (median of the last steps, at least ``min_s``), it dumps every
-thread's Python stack with :func:`faulthandler.dump_traceback` into ``<run_dir>/hang-rank<r>-step<s>.txt`` and calls
-``on_hang`` (Capture emits a ``hang_s`` record so the worker sees the silence). Once per stall.
+completed and the model ran no forward (evaluation between steps is activity) within ``factor`` x the usual step
+time (median of the last steps, at least ``min_s``), it dumps every thread's Python stack with
+:func:`faulthandler.dump_traceback` into ``<run_dir>/hang-rank<r>-step<s>.txt`` and calls ``on_hang`` (Capture
+emits a ``hang_s`` record so the worker sees the silence). Once per stall. When the training thread is inside a
+checkpoint save (``torch.save``, ``torch.distributed.checkpoint``, safetensors, HF ``save_pretrained``) the stacks
+are dumped but no hang is reported.
 
 Training-side module: stdlib and torch only.
 """
@@ -34,6 +37,7 @@ import faulthandler
 import logging
 import os
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -141,13 +145,19 @@ class StepTiming:
         self._mem_limit: float | None = None
         self._host_limit = host_memory_limit()
         self._events: deque[Any] = deque(maxlen=3)
+        self.last_active: float | None = None
+        """Monotonic time of the model's last forward, with or without grad (evaluation between steps is activity,
+        not a hang)."""
+        self.thread: int | None = None
+        """Ident of the training thread (the one ending steps), whose stack the watchdog inspects."""
 
     def forward(self, args: tuple[Any, ...]) -> None:
         """A forward of the model starts (a pre-hook): the first one of a step ends its data wait."""
+        now = self.last_active = time.monotonic()
         if not torch.is_grad_enabled():
             return
         if self._forward_at is None:
-            self._forward_at = time.monotonic()
+            self._forward_at = now
         for arg in args:
             if isinstance(arg, torch.Tensor):
                 if arg.dim() > 0:
@@ -187,6 +197,8 @@ class StepTiming:
         if device.type == "cuda":
             self._cuda(device, out)
         self.last_end, self.last_step = now, step
+        if self.thread is None:
+            self.thread = threading.get_ident()
         self._forward_at = self._backward_at = None
         self._samples = 0
         return out
@@ -205,6 +217,21 @@ class StepTiming:
         events.append(event)
         if len(events) == 3 and events[1].query():  # the previous step's end has run on the device
             out["device_step_time"] = events[0].elapsed_time(events[1]) / 1000.0
+
+
+_SAVING = ("torch/serialization.py", "torch/distributed/checkpoint/", "safetensors/", "transformers/modeling_utils.py")
+"""Frames of these files on the training thread's stack mean a checkpoint save is in progress."""
+
+
+def _busy_with(thread: int | None) -> str | None:
+    """What the training thread is doing when it is saving a checkpoint (None otherwise, or unknown)."""
+    frame = sys._current_frames().get(thread) if thread is not None else None
+    while frame is not None:
+        filename = frame.f_code.co_filename.replace("\\", "/")
+        if any(part in filename for part in _SAVING):
+            return f"saving a checkpoint ({frame.f_code.co_name} in {filename.rsplit('/', 2)[-2]})"
+        frame = frame.f_back
+    return None
 
 
 class Watchdog:
@@ -246,18 +273,26 @@ class Watchdog:
         """Dump the stacks if the run is stalled and this stall was not reported yet; the dump's path."""
         timing = self._timing
         last, step, limit = timing.last_end, timing.last_step, self.limit()
-        if last is None or limit is None or step == self._reported_step or now - last < limit:
+        if last is None or limit is None or step == self._reported_step:
+            return None
+        waited = now - last
+        if now - max(last, timing.last_active or last) < limit:
             return None
         self._reported_step = step
-        waited = now - last
+        busy = _busy_with(timing.thread)
         self._dir.mkdir(parents=True, exist_ok=True)
         path = self._dir / f"hang-rank{self._rank}-step{step + 1}.txt"
         with open(path, "w", encoding="utf-8") as f:
             f.write(f"stability watchdog: rank {self._rank} pid {os.getpid()}: no step completed for {waited:.2f} s "
-                    f"(limit {limit:.2f} s) after step {step}; Python stacks of every thread:\n")
+                    f"(limit {limit:.2f} s) after step {step}{'; ' + busy if busy else ''}; Python stacks of every "
+                    "thread:\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         self.dumps.append(path)
+        if busy:  # a checkpoint save between steps is no hang
+            logger.info("stability: rank %d: no step for %.1f s after step %d, %s; stacks in %s",
+                        self._rank, waited, step, busy, path)
+            return path
         logger.warning("stability: rank %d: no step for %.1f s after step %d; stacks dumped to %s",
                        self._rank, waited, step, path)
         if self._on_hang is not None:

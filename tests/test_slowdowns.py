@@ -208,3 +208,49 @@ def test_profile_command_bad_input_is_a_clear_error(tmp_path: Path, capsys) -> N
     assert "run id 'bad id!' is invalid" in capsys.readouterr().err
     assert cli_main(["profile", "r1", "--run-dir", str(tmp_path)]) == 2
     assert "no embedded Redis URL" in capsys.readouterr().err
+
+
+def test_watchdog_ignores_evaluation_and_checkpoint_saves_and_reports_a_stall(tmp_path: Path) -> None:
+    import io
+    import threading
+
+    from stability.hooks.timing import StepTiming, TimingConfig, Watchdog
+
+    timing = StepTiming(TimingConfig(hang_min_s=0.5, poll_s=3600.0))  # checks driven by the test
+    hangs: list[tuple[int, float]] = []
+    dog = Watchdog(timing, tmp_path, 0, lambda step, waited, path: hangs.append((step, waited)))
+    cpu = torch.device("cpu")
+    try:
+        for step in range(5):
+            timing.end_step(step, cpu, {})
+        start = timing.last_end
+        assert start is not None and dog.limit() == 0.5
+        assert dog.check(start + 0.4) is None  # within the limit
+        with torch.no_grad():
+            timing.forward((torch.zeros(2),))  # an evaluation pass between steps: activity
+        assert dog.check(timing.last_active + 0.4) is None
+
+        release = threading.Event()
+
+        class SlowFile(io.BytesIO):
+            def write(self, data):  # type: ignore[no-untyped-def, override]
+                release.wait(30)
+                return super().write(data)
+
+        saver = threading.Thread(target=torch.save, args=({"w": torch.zeros(4)}, SlowFile()))
+        saver.start()
+        timing.thread = saver.ident  # the "training thread" is inside torch.save
+        time.sleep(0.2)
+        dump = dog.check(time.monotonic() + 60)
+        release.set()
+        saver.join()
+        assert dump is not None and "saving a checkpoint" in dump.read_text() and hangs == []
+
+        timing.end_step(5, cpu, {})  # the next step completed; now a real stall
+        timing.thread = threading.get_ident()
+        dump = dog.check(timing.last_end + 5.0)
+        assert dump == tmp_path / "hang-rank0-step6.txt" and hangs == [(6, pytest.approx(5.0))]
+        assert "test_slowdowns.py" in dump.read_text()  # this thread's stack is in it
+        assert dog.check(timing.last_end + 9.0) is None  # once per stall
+    finally:
+        dog.close()
