@@ -37,7 +37,14 @@ from stability.detectors.base import CauseHint, Finding, Severity
 from stability.detectors.causes import remedy
 from stability.records import StepRecord
 
-__all__ = ["PERF_CAUSES", "PERF_KINDS", "StepTimeConfig", "StepTimeDetector", "perf_causes"]
+__all__ = ["PERF_CAUSES", "PERF_KINDS", "PERF_SIGNALS", "StepTimeConfig", "StepTimeDetector", "perf_causes"]
+
+PERF_SIGNALS = frozenset({
+    "step_time", "data_time", "compute_time", "samples_per_s", "tokens_per_s", "host_rss", "host_mem_limit",
+    "device_step_time", "mem_allocated", "mem_reserved", "mem_peak", "mem_limit", "hang_s", "profile_compute_s",
+    "profile_comm_s", "profile_memcpy_s", "profile_data_s"})
+"""Wall-clock and memory signals of :mod:`stability.hooks.timing` (and the profile split): not features of the
+numerical cause rules (the odd-record forest of :mod:`~stability.detectors.oddity` ignores them)."""
 
 PERF_CAUSES: dict[str, tuple[str, float]] = {
     "dataloader_stall": ("dataloader_stall", 0.9),

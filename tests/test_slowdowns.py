@@ -254,3 +254,10 @@ def test_watchdog_ignores_evaluation_and_checkpoint_saves_and_reports_a_stall(tm
         assert dog.check(timing.last_end + 9.0) is None  # once per stall
     finally:
         dog.close()
+
+
+def test_timing_signal_names_are_known_to_the_detectors() -> None:
+    from stability.detectors.steptime import PERF_SIGNALS
+    from stability.hooks.timing import TIMING_SIGNALS
+
+    assert set(TIMING_SIGNALS) <= PERF_SIGNALS  # the odd-record forest must not take wall-clock jitter as a feature
