@@ -120,19 +120,49 @@ _CAUSES = (
         signals="the loss level shifts at a resume boundary and stays (post-mortem of logs).",
     ),
     Cause(
-        id="hang",
-        title="Hang: a rank stopped while the others waited",
-        remedy="Find the rank whose log stops first (NCCL watchdog names the collective); check its node "
-        "(kernel log: hung tasks, Xid), set NCCL timeouts and TORCH_NCCL_ASYNC_ERROR_HANDLING, restart from the last "
-        "checkpoint without that node.",
-        signals="the log stops; NCCL watchdog timeouts or 'blocked for more than 120 seconds' in the system log.",
-    ),
-    Cause(
         id="infrastructure",
         title="Infrastructure failure (host memory, network, scheduler)",
         remedy="Check the node's memory (OOM killer), network fabric and job scheduler logs; restart from the last "
         "checkpoint, excluding the node if it repeats.",
         signals="OOM-killer or NCCL/communication errors in the system log near the event.",
+    ),
+    Cause(
+        id="straggler",
+        title="Straggler rank (one rank slower than its peers)",
+        remedy="Check the named host: GPU clocks and temperature (nvidia-smi -q -d PERFORMANCE), other processes, "
+        "PCIe/NVLink errors, its data-loader workers and local disk; cordon it or restart the job without it.",
+        signals="one rank's data + compute time before the first collective is consistently above its peers'.",
+    ),
+    Cause(
+        id="dataloader_stall",
+        title="Data-loader stall (the loop waits for its batches)",
+        remedy="Raise DataLoader num_workers / prefetch_factor, use pin_memory and persistent_workers, check the "
+        "storage or network the data comes from, and the profile's data-wait share.",
+        signals="data_time (optimizer step to next forward) jumps or rises and explains the step-time rise.",
+    ),
+    Cause(
+        id="slowdown",
+        title="Compute or communication slowdown",
+        remedy="Capture a profile (stability profile RUN_ID --steps 5) and compare top ops with a healthy run: "
+        "recompilation, thermal throttling, contention from other jobs, a slower collective, fragmentation.",
+        signals="step time rose (or one step spiked) without data waiting and outside recurring checkpoint/eval steps.",
+    ),
+    Cause(
+        id="memory_leak",
+        title="Memory leak toward out-of-memory",
+        remedy="Look for tensors kept across steps (losses accumulated without .item()/.detach(), growing lists, "
+        "caches, autograd graphs held by logging); torch.cuda.memory_snapshot() / tracemalloc around the steps.",
+        signals="host RSS or allocated device memory grows steadily step after step.",
+    ),
+    Cause(
+        id="hang",
+        title="Hang (a rank or the whole job stopped making progress)",
+        remedy="Read the dumped Python stacks (hang-rank*-step*.txt in the run directory): a collective waiting "
+        "for a dead or diverged rank, a deadlocked data loader, I/O. Find the rank that stopped first (the NCCL "
+        "watchdog names the collective) and check its node (kernel log: hung tasks, Xid); set NCCL/gloo timeouts and "
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING, restart from the last checkpoint without that node.",
+        signals="a rank's records (or log) stop while others continue, no step completes within 2x the usual step "
+        "time, or NCCL watchdog timeouts / 'blocked for more than 120 seconds' in the system log.",
     ),
     Cause(
         id="unknown",

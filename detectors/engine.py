@@ -58,12 +58,16 @@ from stability.detectors.divergence import DivergenceConfig, DivergenceDetector
 from stability.detectors.fp16 import LossScaleConfig, LossScaleDetector
 from stability.detectors.grad import GradConfig, GradExplosionDetector
 from stability.detectors.growth import GrowthConfig, GrowthDetector
+from stability.detectors.hang import HangConfig, HangDetector
 from stability.detectors.history import History
+from stability.detectors.memory import MemoryConfig, MemoryDetector
 from stability.detectors.nan import NanConfig, NanDetector
 from stability.detectors.plateau import PlateauConfig, PlateauDetector
 from stability.detectors.ranking import KIND_CAUSE, MAX_SKIP_BATCHES, rank_causes
 from stability.detectors.schedule import ScheduleConfig, ScheduleDetector
 from stability.detectors.spike import SpikeConfig, SpikeDetector
+from stability.detectors.steptime import PERF_KINDS, StepTimeConfig, StepTimeDetector
+from stability.detectors.straggler import StragglerConfig, StragglerDetector
 from stability.detectors.update import (
     LAYER_GRAD,
     UPDATE_RATIO,
@@ -110,6 +114,10 @@ class DiagnoserConfig:
     plateau: PlateauConfig = field(default_factory=PlateauConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     crossrank: CrossRankConfig = field(default_factory=CrossRankConfig)
+    steptime: StepTimeConfig = field(default_factory=StepTimeConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    hang: HangConfig = field(default_factory=HangConfig)
     fuse_steps: int = 20
     """Findings within this many steps of an incident's last finding join it."""
     fuse_records: int = 2
@@ -210,6 +218,7 @@ class _RankSuite:
             GradExplosionDetector(config.grad), LossScaleDetector(config.loss_scale),
             GradVanishingDetector(config.vanish), GrowthDetector(config.growth), LayerJumpDetector(config.update),
             LayerJumpDetector(config.layer_grad), AdamLagDetector(config.adam_lag), PlateauDetector(config.plateau),
+            StepTimeDetector(config.steptime), MemoryDetector(config.memory),  # performance: detectors/steptime.py
         ]
         self.history = History(steps=config.history_steps, module_steps=config.module_history_steps,
                                max_series=config.max_series)
@@ -265,8 +274,11 @@ class RunDiagnoser:
         self.incidents: list[Incident] = []
         """Every incident seen by this object, in order of creation."""
         self._open: dict[int, Incident] = {}
-        """Last incident of each rank (findings may still join it)."""
+        """Last incident of each rank (findings may still join it); performance incidents (a straggler, a hang)
+        are apart, under key ``~rank`` (:func:`_open_key`)."""
         self._crossrank = CrossRankDetector(self.config.crossrank)
+        self._fleet: list[Detector] = [StragglerDetector(self.config.straggler), HangDetector(self.config.hang)]
+        """Engine-level performance detectors (a straggler rank, a silent rank); a shard's see only its ranks."""
         self._held: list[tuple[int, Finding, float]] = []
         """(rank, finding, unix time held) waiting for the other ranks to report its step (see :meth:`_release`)."""
         self.resumes: list[tuple[int, int, int]] = []
@@ -294,6 +306,7 @@ class RunDiagnoser:
         for detector in suite.detectors:
             found.extend(detector.update(record if detector.name in SEES_SKIPPED_STEPS else view))
         decided = self._crossrank.update(record) if self._verdicts is None else []
+        decided += [f for d in self._fleet for f in d.update(record)]
         now = time.time() if found else 0.0
         self._held += [(record.rank, f, now) for f in found]
         alerts += self._release()
@@ -348,6 +361,7 @@ class RunDiagnoser:
         self.resumes.append((rank, before, after))
         suite = self._ranks[rank] = _RankSuite(self.config)
         self._open.pop(rank, None)
+        self._open.pop(~rank, None)
         self._crossrank.reset(after)
         return suite
 
@@ -391,7 +405,7 @@ class RunDiagnoser:
     def _join(self, suite: _RankSuite, rank: int, finding: Finding) -> bool:
         """Add ``finding`` to an incident; True when it must be alerted."""
         cfg = self.config
-        incident = self._open.get(rank)
+        incident = self._open.get(_open_key(rank, finding))
         last = suite.last_alert.get(finding.kind)
         cooled = last is not None and finding.step - last[0] < cfg.cooldown_steps and last[1] >= finding.severity.rank
         gap = finding.step - incident.last_step if incident is not None else cfg.cooldown_steps + 1
@@ -413,7 +427,7 @@ class RunDiagnoser:
         else:
             incident = Incident(rank=rank, findings=[finding], alerted=finding.severity, last_step=finding.step,
                                 end=finding.end)
-            self._open[rank] = incident
+            self._open[_open_key(rank, finding)] = incident
             self.incidents.append(incident)
         suite.last_alert[finding.kind] = (finding.step, finding.severity.rank)
         return True
@@ -425,7 +439,7 @@ class RunDiagnoser:
         earliest such onset; each such incident's headline takes the new causes (its report shows them, the old
         ones follow, scored no higher) and records ``rediagnosed_by``. Incidents in between (an LR precursor that
         already names the same cause) are not touched."""
-        if finding.severity is Severity.INFO or not finding.causes:
+        if finding.severity is Severity.INFO or not finding.causes or finding.kind in PERF_KINDS:
             return finding
         new = finding.causes[0]
         earliest: int | None = None
@@ -435,8 +449,8 @@ class RunDiagnoser:
             if finding.onset - earlier.onset > self.config.rediagnose_steps:
                 break
             head = earlier.headline
-            if (finding.severity.rank <= earlier.alerted.rank or finding.onset < earlier.onset
-                    or (head.causes and head.causes[0].cause == new.cause)):
+            if (head.kind in PERF_KINDS or finding.severity.rank <= earlier.alerted.rank
+                    or finding.onset < earlier.onset or (head.causes and head.causes[0].cause == new.cause)):
                 continue
             note = f"re-diagnosed by the {finding.kind} {finding.severity.value} at step {finding.step}"
             lowest = finding.causes[-1].score
@@ -478,6 +492,7 @@ class RunDiagnoser:
             "version": 1,
             "ranks": {str(r): s.state_dict() for r, s in self._ranks.items()},
             "crossrank": self._crossrank.state_dict(),
+            "fleet": {d.name: d.state_dict() for d in self._fleet},
             "incidents": [i.to_state() for r in sorted(kept) for i in kept[r][-MAX_KEPT_INCIDENTS:]],
             "held": [[rank, f.to_dict()] for rank, f, _ in self._held],
             "held_since": [since for _, _, since in self._held],
@@ -489,10 +504,20 @@ class RunDiagnoser:
         for rank, suite_state in state["ranks"].items():
             self._suite(int(rank)).load_state_dict(suite_state)
         self.incidents = [Incident.from_state(i) for i in state["incidents"]]
-        self._open = {i.rank: i for i in self.incidents}
+        self._open = {_open_key(i.rank, i.headline): i for i in self.incidents}
         held = state.get("held", [])
         since = state.get("held_since") or [time.time()] * len(held)
         self._held = [(int(rank), Finding.from_dict(f), float(t)) for (rank, f), t in zip(held, since, strict=True)]
         self._crossrank = CrossRankDetector(self.config.crossrank)
         if "crossrank" in state:
             self._crossrank.load_state_dict(state["crossrank"])
+        self._fleet = [StragglerDetector(self.config.straggler), HangDetector(self.config.hang)]
+        for detector in self._fleet:
+            if detector.name in state.get("fleet", {}):
+                detector.load_state_dict(state["fleet"][detector.name])
+
+
+def _open_key(rank: int, finding: Finding) -> int:
+    """Key of the open incident ``finding`` may join: a slow or hung rank is not a loss event (``~rank`` for the
+    performance kinds of :data:`~stability.detectors.steptime.PERF_KINDS`, ``rank`` for the others)."""
+    return ~rank if finding.kind in PERF_KINDS else rank

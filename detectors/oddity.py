@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from stability.detectors.history import History
+from stability.detectors.steptime import PERF_SIGNALS
 
 __all__ = ["Oddity", "precursor_oddity"]
 
-_NOT_FEATURES = frozenset({"loss", "loss_steps"})
+_NOT_FEATURES = frozenset({"loss", "loss_steps"}) | PERF_SIGNALS  # wall-clock jitter is no sign of a bad batch
 
 
 @dataclass(frozen=True, slots=True)

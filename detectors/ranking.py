@@ -69,6 +69,7 @@ from stability.detectors.evidence import (
 )
 from stability.detectors.history import History, Ring
 from stability.detectors.oddity import precursor_oddity
+from stability.detectors.steptime import PERF_KINDS, perf_causes
 
 __all__ = ["KIND_CAUSE", "Boundary", "Move", "Ranking", "SystemFact", "context_causes", "find_move", "granger_p",
            "lead_lag", "lr_rise", "merge_causes", "rank_causes", "robust_move"]
@@ -176,6 +177,8 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
     Structure and evidence rules come first; the lead-lag of the first precursor against the loss (cross-correlation
     both ways) confirms or weakens it.
     """
+    if finding.kind in PERF_KINDS:  # performance findings name their cause; nothing to roll back or skip
+        return Ranking(perf_causes(finding), None, ())
     t0, event = finding.onset, _event_name(finding)
     hints = _Hints()
     precursors: list[Move] = []

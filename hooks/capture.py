@@ -115,6 +115,7 @@ from stability.hooks.layout import ParamLayout, build_layout, optimizer_params
 from stability.hooks.rhythm import BLIND_AFTER, Rhythm, model_params
 from stability.hooks.schedules import every
 from stability.hooks.staging import ABSENT, Reader, RecordSink, StagedStep, stage
+from stability.hooks.timing import Performance
 from stability.records import MAX_ID_CHARS, MAX_NAME_CHARS
 
 __all__ = ["MAX_ERRORS", "PENDING_LIMIT", "Capture", "RecordSink", "hook_scope", "in_hook"]
@@ -253,6 +254,8 @@ class Capture:
         self._rhythm = Rhythm()
         self._backward_calls = 0
         self._warned_blind = False
+        self._perf = Performance(config.run_id, config.resolved_run_dir, config.redis_url, self._emit_host,
+                                 lambda: self._metadata()[0], enabled=config.timing)  # hooks/timing.py
 
     # ----------------------------------------------------------------------------------------------- public API
 
@@ -306,6 +309,8 @@ class Capture:
         else:
             self._roots = [model]
             self._arm_step_hooks()
+            self._perf.hooked.append(id(model))
+            self._handles.append(model.register_forward_pre_hook(self._on_model_forward))
         return self
 
     def observe(self, name: str, value: torch.Tensor | float) -> None:
@@ -393,6 +398,7 @@ class Capture:
         self._closed = True
         if self._attached:
             torch_patches.unsubscribe(self)
+        self._perf.close()
         for handle in (*self._handles, *self._discovery, *self._step_hooks):
             handle.remove()
         self._handles, self._discovery, self._step_hooks = [], [], []
@@ -428,6 +434,7 @@ class Capture:
     def before_backward(self, tensor: torch.Tensor) -> None:
         """A ``backward()`` starts: with no optimizer, the step in progress may have ended (rhythm rules)."""
         self._backward_calls += 1
+        self._perf.timing.backward()
         if not self._manual():
             if self._backward_calls == BLIND_AFTER and self._step == 0:
                 logger.warning(
@@ -516,6 +523,17 @@ class Capture:
     @_hook
     def _on_any_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._forward.depth = max(0, getattr(self._forward, "depth", 0) - 1)
+
+    @_hook
+    def _on_model_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._perf.timing.forward(args)
+
+    def _emit_host(self, step: int, signals: dict[str, float]) -> None:
+        """Send a record of host signals only (the watchdog's ``hang_s``; any thread)."""
+        if self._reader is not None and self._live():
+            rank, coords, host = self._metadata()
+            self._reader.submit(StagedStep(run_id=self.config.run_id, step=step, rank=rank, wall_time=time.time(),
+                                           host=host, coords=coords, batch=None, host_signals=dict(signals)))
 
     @_hook
     def _on_activation(self, name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -823,11 +841,16 @@ class Capture:
             if self._stats_due(step) and self._layout is not None:
                 self._sampled_stats(optimizer, state)
             self._loss_and_scaler(optimizer, state, skipped)
+            state.host.update(self._perf.end_step(step, self._device(), state.observed_host))
             self._submit(state, step)
         finally:
             self._step = step + 1
             self._state = _StepState()
             self._arm_step_hooks()
+            for root in self._roots:  # data / compute timing: a forward pre-hook on the model, once
+                if id(root) not in self._perf.hooked:
+                    self._perf.hooked.append(id(root))
+                    self._handles.append(root.register_forward_pre_hook(self._on_model_forward))
 
     def _sampled_stats(self, optimizer: torch.optim.Optimizer | None, state: _StepState) -> None:
         layout = self._layout

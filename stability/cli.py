@@ -1,4 +1,4 @@
-"""The ``stability`` command: ``demo``, ``worker``, ``postmortem``, ``runs``, ``replay``, ``eval``.
+"""The ``stability`` command: ``demo``, ``worker``, ``postmortem``, ``runs``, ``replay``, ``eval``, ``profile``.
 
 Everything heavy (torch, the detectors, Celery) is imported only by the subcommand that needs it, so
 ``stability --help`` and ``stability --version`` answer at once.
@@ -92,7 +92,18 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--redis", default=None, help="target Redis URL (default: STABILITY_REDIS_URL, else embedded)")
     rp.add_argument("--wait", type=float, default=300.0,
                     help="embedded: seconds to wait for the worker to drain the run (default 300)")
+    _profile_parser(sub)
     return parser
+
+
+def _profile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    prof = sub.add_parser("profile", help="profile the next N steps of a running job (torch.profiler trace into "
+                          "its run directory)")
+    prof.add_argument("run_id", help="the run to profile")
+    prof.add_argument("--steps", type=int, default=5, help="steps to profile on every rank (default 5, at most 100)")
+    prof.add_argument("--redis", default=None, help="the run's Redis URL (default: STABILITY_REDIS_URL, else the "
+                      "embedded Redis of --run-dir)")
+    prof.add_argument("--run-dir", type=Path, default=None, help="the run directory (embedded Redis)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             return _postmortem(args)
         if args.command == "runs":
             return _runs(args)
+        if args.command == "profile":
+            from stability.hooks.profiler import request_from_cli
+
+            print(request_from_cli(args.run_id, args.steps, args.redis, args.run_dir))
+            return 0
         if args.command == "replay":
             from stability.replay import replay
 

@@ -17,6 +17,7 @@ variable                       field                       meaning
 ``STABILITY_QUEUE_SIZE``       ``queue_size``              bounded queue between training and emitter
 ``STABILITY_WANDB_PROJECT``    ``wandb_project``           W&B project for the diagnosis run
 ``STABILITY_QUIET=1``          ``quiet=True``              no stability lines in the training terminal
+``STABILITY_TIMING=0``         ``timing=False``            no step-timing / memory signals, hang watchdog, profiler
 =============================  ==========================  ==============================================
 """
 
@@ -73,6 +74,9 @@ class WatchConfig:
     """W&B project for the worker's diagnosis run (None: from ``WANDB_PROJECT`` or the active ``wandb.run``)."""
     quiet: bool = False
     """True: print nothing in the training terminal (no start line, alerts or summary; ``STABILITY_QUIET=1``)."""
+    timing: bool = True
+    """Step timing and memory signals, the hang watchdog and on-demand profiling (:mod:`stability.hooks.timing`);
+    False for records that must be reproducible bit for bit (the evaluation corpus)."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -114,7 +118,7 @@ class WatchConfig:
 
 
 _INT_FIELDS = {"layer_every", "stats_every", "max_act_modules", "update_ratio_max_bytes", "queue_size"}
-_BOOL_FIELDS = {"enabled", "local_worker", "quiet"}
+_BOOL_FIELDS = {"enabled", "local_worker", "quiet", "timing"}
 
 
 def _parse(name: str, raw: str) -> Any:

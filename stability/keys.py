@@ -12,6 +12,7 @@ Per run ``R`` (all keys share the ``stability:{R}`` hash tag, so a Redis Cluster
 * ``stability:{R}:findings:seen`` set of finding keys ``rank:kind:step`` already published (dedupe on reprocessing)
 * ``stability:{R}:trigger``      marker: a drain task for the run is already queued
 * ``stability:{R}:advice``       JSON: the worker's latest advice (rollback step, batches to skip), read by the guard
+* ``stability:{R}:profile``      JSON: a profile request (steps, id), polled by the training side
 * ``stability:{R}:status``       hash: the run's lifecycle status (``status`` running / finished / died, ``step``,
   ``reason``, ``time``, ``host``, ``pid``), see :mod:`stability.runstate`
 
@@ -93,6 +94,11 @@ def trigger(run_id: str) -> str:
 def advice(run_id: str) -> str:
     """The worker's latest advice for the run (JSON), polled by the training side's guard."""
     return f"{_run(run_id)}:advice"
+
+
+def profile(run_id: str) -> str:
+    """A profile request for the run (JSON), polled by the training side (:mod:`stability.hooks.profiler`)."""
+    return f"{_run(run_id)}:profile"
 
 
 def status(run_id: str) -> str:

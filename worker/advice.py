@@ -63,6 +63,7 @@ class AdviceSink:
 
     def emit(self, run_id: str, findings: Sequence[Finding], records: Sequence[Entry]) -> None:
         """Write the batch's latest error finding, unless newer advice is already stored."""
+        _profile_incident(self._client, run_id, findings)
         errors = [f for f in findings if f.severity is Severity.ERROR]
         if not errors:
             return
@@ -71,3 +72,18 @@ class AdviceSink:
 
     def close(self, run_id: str) -> None:
         """Nothing to release: the advice stays readable after the run is drained."""
+
+
+PROFILE_KINDS = frozenset({"straggler", "dataloader_stall", "slowdown", "memory_leak"})
+"""Performance incidents that ask the training side for a profile of its next steps (a hung process cannot)."""
+
+
+def _profile_incident(client: redis.Redis[bytes], run_id: str, findings: Sequence[Finding]) -> None:
+    """Ask for a 5-step profile on a performance warning/error, once an hour at most (hooks/profiler.py)."""
+    perf = [f for f in findings if f.kind in PROFILE_KINDS and f.severity is not Severity.INFO]
+    if perf:
+        from stability.hooks.profiler import request_profile
+
+        first = perf[0]
+        request_profile(client, run_id, 5, f"{first.kind} on rank {first.rank} at step {first.step}",
+                        only_if_none=True)

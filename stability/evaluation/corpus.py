@@ -334,7 +334,8 @@ def generate_run(spec: RunSpec) -> GeneratedRun:
 
 
 def _config(spec: RunSpec) -> WatchConfig:
-    return WatchConfig(run_id=f"eval-{spec.name}", stats_every=spec.stats_every, layer_every=1, max_act_modules=8)
+    return WatchConfig(run_id=f"eval-{spec.name}", stats_every=spec.stats_every, layer_every=1, max_act_modules=8,
+                       timing=False)
 
 
 def _train_single(spec: RunSpec) -> list[StepRecord]:

@@ -39,7 +39,7 @@ def _worker(rank: int, spec: Any, port: int, out: Any, lr_at: Any) -> None:
         data = MarkovData(seed=spec.seed, stream=rank)
         sink = ListSink()
         capture = Capture(WatchConfig(run_id=f"eval-{spec.name}", stats_every=spec.stats_every, layer_every=1,
-                                      max_act_modules=8), sink, coords={"dp": rank}).attach()
+                                      max_act_modules=8, timing=False), sink, coords={"dp": rank}).attach()
         try:
             for step in range(spec.steps):
                 for group in opt.param_groups:

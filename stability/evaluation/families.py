@@ -381,7 +381,8 @@ def _task(spec: FamilySpec, stream: int = 0) -> Task:
 
 
 def _config(spec: FamilySpec) -> WatchConfig:
-    return WatchConfig(run_id=f"fam-{spec.name}", stats_every=spec.stats_every, layer_every=1, max_act_modules=8)
+    return WatchConfig(run_id=f"fam-{spec.name}", stats_every=spec.stats_every, layer_every=1, max_act_modules=8,
+                       timing=False)
 
 
 def _ceiling_scale(task: Task) -> float:
