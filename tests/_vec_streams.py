@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from _records import RecordFactory  # noqa: E402
+from _records import RecordFactory
 
-from stability.detectors.base import Finding  # noqa: E402
-from stability.detectors.engine import RunDiagnoser  # noqa: E402
-from stability.detectors.growth import GrowthConfig, GrowthDetector  # noqa: E402
-from stability.detectors.update import (  # noqa: E402
+from stability.detectors.base import Finding
+from stability.detectors.engine import RunDiagnoser
+from stability.detectors.growth import GrowthConfig, GrowthDetector
+from stability.detectors.update import (
     LAYER_GRAD,
     UPDATE_RATIO,
     AdamLagConfig,
@@ -35,8 +35,8 @@ from stability.detectors.update import (  # noqa: E402
     LayerJumpConfig,
     LayerJumpDetector,
 )
-from stability.detectors.vanish import GradVanishingDetector, VanishConfig  # noqa: E402
-from stability.records import StepRecord  # noqa: E402
+from stability.detectors.vanish import GradVanishingDetector, VanishConfig
+from stability.records import StepRecord
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "vectorised_findings.json"
 
@@ -46,7 +46,7 @@ def _mutate(rec: StepRecord, signals: dict[str, float]) -> StepRecord:
                       coords=rec.coords, signals=signals)
 
 
-def stream(seed: int, *, steps: int = 420, modules: int = 40, stats_every: int = 1) -> list[StepRecord]:
+def stream(seed: int, *, steps: int = 420, modules: int = 40, stats_every: int = 1) -> list[StepRecord]:  # noqa: C901
     """One rank's records with every kind of per-module event injected (positions vary with ``seed``)."""
     rng = np.random.default_rng(1000 + seed)
     factory = RecordFactory(run_id="vec", rank=seed % 3, modules=modules, stats_every=stats_every, warmup=40,
