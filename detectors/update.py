@@ -57,14 +57,17 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._rolling import FastBaseline, level_lower_bound
-from stability.detectors._stats import median, safe_exp
+from stability.detectors._modules import Rings, Schema, layout, line_predict, log_list
+from stability.detectors._stats import median, predict_line, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.detectors.history import LrTracker
 from stability.records import StepRecord, split_signal
 
 MAX_SERIES = 512
 """Series with an own baseline (per rank)."""
+
+_MARGIN = 1e-9
+"""Slack (log units) under a threshold within which a value is decided on scalars (``math.exp``, as before)."""
 
 __all__ = ["EMBEDDING_MODULE", "LAYER_GRAD", "UPDATE_RATIO", "AdamLagConfig",
            "AdamLagDetector", "LayerJumpConfig", "LayerJumpDetector"]
@@ -108,26 +111,26 @@ LAYER_GRAD = LayerJumpConfig(quantity="grad_norm", kind="grad_explosion", name="
 """Per-layer gradient explosions: a layer's ``grad_norm/<module>`` 20x over its own level (clean corpus: 1.6x)."""
 
 
-class _Series:
-    def __init__(self, cfg: LayerJumpConfig) -> None:
-        self.base = FastBaseline(window=cfg.window, min_points=cfg.min_points, scale_floor=cfg.scale_floor)
-        """``_stats.Baseline``'s robust line, with its points also sorted: a cheap bound of its prediction."""
-        self.quiet = 0
-
-    def surely_below(self, x: float, y: float, log_factor: float) -> bool:
-        """``y`` is less than ``log_factor`` over the baseline's prediction at ``x``, proven without fitting it
-        (:func:`~stability.detectors._rolling.level_lower_bound`); False also when it cannot be proven."""
-        return y - level_lower_bound(self.base, x) < log_factor
-
-
 class LayerJumpDetector:
-    """Streaming per-layer jump detector for one rank (see the module docstring)."""
+    """Streaming per-layer jump detector for one rank (see the module docstring).
+
+    Vectorised (issue #14 item 8): the windows of all its series are rows of one :class:`~._modules.Rings`, a
+    record's values are mapped to rows once per signal layout, and each record's robust lines are fitted for all
+    its series at once (:func:`~._modules.line_predict`, bit-identical to ``_stats.predict_line`` per series);
+    only the values at or near the jump threshold are decided one by one, with the scalar code's exps.
+    """
 
     def __init__(self, config: LayerJumpConfig | None = None) -> None:
         self.config = config or UPDATE_RATIO
         self.name = self.config.name
         self.kind = self.config.kind
-        self._series: dict[str, _Series] = {}
+        self._rings = Rings(self.config.window)
+        self._names: list[str] = []
+        """Row -> series name, in order of creation."""
+        self._rows: dict[str, int] = {}
+        self._quiet = np.zeros(0, dtype=np.int64)
+        self._plans: dict[Schema, tuple[np.ndarray, list[str], np.ndarray]] = {}
+        """Signal layout -> (positions of this detector's series, their names, their rows or -1)."""
         self._lr = LrTracker()
         self._pending: dict[str, Any] | None = None
         """A jump waiting for its series' next record (``confirm``): step, rank, host, jumps, levels."""
@@ -146,8 +149,9 @@ class LayerJumpDetector:
         pending = self._pending
         assert pending is not None
         levels = pending["levels"]
-        now = {n: safe_exp(math.log(v) - levels[n]) for n, v in record.signals.items()
-               if n in levels and v > 0 and math.isfinite(v)}
+        signals = record.signals
+        now = {n: safe_exp(math.log(v) - level) for n, level in levels.items()
+               if (v := signals.get(n)) is not None and v > 0 and math.isfinite(v)}
         if not now:
             if record.step - pending["step"] <= self.config.max_wait:
                 return []
@@ -182,48 +186,108 @@ class LayerJumpDetector:
                        value=value, message=message, detector=self.name, rank=found["rank"], host=found["host"],
                        end=end, score=ratio, evidence=evidence)
 
+    def _plan(self, schema: Schema) -> tuple[np.ndarray, list[str], np.ndarray]:
+        """This detector's series in a signal layout: positions, names, rows (-1: no row yet)."""
+        plan = self._plans.get(schema)
+        if plan is None:
+            cfg = self.config
+            pos = [i for i in schema.by_quantity.get(cfg.quantity, ())
+                   if not (cfg.modules_only and schema.modules[i] is None)]
+            names = [schema.names[i] for i in pos]
+            rows = np.array([self._rows.get(n, -1) for n in names], dtype=np.int64)
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            plan = self._plans[schema] = (np.array(pos, dtype=np.int64), names, rows)
+        return plan
+
+    def _add_series(self, name: str) -> int:
+        """A row for a new series, or -1 when ``max_series`` are tracked."""
+        if len(self._names) >= self.config.max_series:
+            return -1
+        row = self._rows[name] = self._rings.add_row()
+        self._names.append(name)
+        if len(self._quiet) < len(self._rings.head):
+            self._quiet = np.resize(self._quiet, len(self._rings.head))
+        self._quiet[row] = 0
+        return row
+
+    def _rows_for(self, names: list[str], rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
+        """The rows of the selected series, creating the missing ones in record order (``max_series``); a series
+        without a row (over the limit) is left out (-1 filtered by the caller)."""
+        for i in sel[rows[sel] < 0].tolist():
+            row = self._rows.get(names[i], -1)
+            rows[i] = row if row >= 0 else self._add_series(names[i])
+        return rows[sel]
+
     def _jumps(self, record: StepRecord) -> dict[str, Any] | None:
         """This record's jumps, or ``None``."""
         cfg = self.config
         self._lr.update(record.step, record.get("lr"))
         warming = self._lr.in_warmup(record.step, cfg.warmup_gate)
         shift = self._lr_unit(record.get("lr")) if cfg.per_lr else 0.0
+        schema, all_values = layout(record)
+        pos, names, plan_rows = self._plan(schema)
+        if not len(pos):
+            return None
+        values = all_values[pos]
+        sel = np.flatnonzero((values > 0) & np.isfinite(values))
+        rows = self._rows_for(names, plan_rows, sel)
+        if (rows < 0).any():
+            sel, rows = sel[rows >= 0], rows[rows >= 0]
+        if not len(sel):
+            return None
+        y = log_list(values[sel]) - shift
+        step = record.step
+        rings = self._rings
+        count = rings.count[rows]
+        accept = np.ones(len(sel), dtype=bool)
+        judged = np.flatnonzero(count >= cfg.min_points)
+        jumped: list[tuple[int, float, float]] = []
+        """(index into sel, predicted level, z) of the values that jumped."""
+        for n in np.unique(count[judged]).tolist():
+            idx = judged[count[judged] == n]
+            levels, zs = self._predict(rows[idx], int(n), step)
+            d = y[idx] - levels
+            with np.errstate(invalid="ignore", divide="ignore"):
+                z = d / zs
+            near = ~((d < math.log(cfg.factor) - _MARGIN) | (z < cfg.z_threshold))
+            for k in np.flatnonzero(near).tolist():
+                ratio, zk = safe_exp(float(d[k])), float(z[k])
+                if not (ratio < cfg.factor or zk < cfg.z_threshold):
+                    accept[idx[k]] = False
+                    jumped.append((int(idx[k]), float(levels[k]), zk))
+        quiet = self._quiet
+        ok_rows = rows[accept]
+        rings.push(ok_rows, float(step), y[accept])
+        counted = ok_rows[count[accept] >= cfg.min_points]
+        quiet[counted] = np.maximum(quiet[counted] - 1, 0)
+        if not jumped:
+            return None
         jumps: list[tuple[float, str, float, float, float]] = []
-        levels: dict[str, float] = {}
-        log_factor = math.log(cfg.factor)
-        for name, value in record.signals.items():
-            quantity, module = split_signal(name)
-            if quantity != cfg.quantity or (cfg.modules_only and module is None):
-                continue
-            if not (value > 0 and math.isfinite(value)):
-                continue
-            series = self._series.get(name)
-            if series is None:
-                if len(self._series) >= cfg.max_series:
-                    continue
-                series = self._series[name] = _Series(cfg)
-            y = math.log(value) - shift
-            if len(series.base) < cfg.min_points:
-                series.base.accept(record.step, y)
-                continue
-            if series.surely_below(record.step, y, log_factor):  # the common case: no line fit needed
-                series.base.accept(record.step, y)
-                series.quiet = max(0, series.quiet - 1)
-                continue
-            pred = series.base.predict(record.step)
-            ratio, z = safe_exp(y - pred.level), pred.z(y)
-            if ratio < cfg.factor or z < cfg.z_threshold:
-                series.base.accept(record.step, y)
-                series.quiet = max(0, series.quiet - 1)
-                continue
-            if series.quiet == 0 and not warming:
-                jumps.append((ratio, name, value, safe_exp(pred.level + shift), z))
-                levels[name] = pred.level + shift
-            series.quiet = cfg.cooldown
+        levels_out: dict[str, float] = {}
+        for i, level, z in sorted(jumped):
+            row = int(rows[i])
+            if quiet[row] == 0 and not warming:
+                name = names[int(sel[i])]
+                yi = float(y[i])
+                jumps.append((safe_exp(yi - level), name, float(values[sel[i]]), safe_exp(level + shift), z))
+                levels_out[name] = level + shift
+            quiet[row] = cfg.cooldown
         if not jumps:
             return None
         return {"step": record.step, "rank": record.rank, "host": record.host, "jumps": [list(j) for j in jumps],
-                "levels": levels}
+                "levels": levels_out}
+
+    def _predict(self, rows: np.ndarray, n: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The robust line's level at ``step`` and its scale for ``rows`` (each with ``n`` points)."""
+        cfg = self.config
+        xs, ys = self._rings.ordered(rows, n)
+        if n >= 2:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                return line_predict(xs, ys, float(step), cfg.scale_floor)
+        preds = [predict_line(xs[k], ys[k], step, min_points=cfg.min_points, scale_floor=cfg.scale_floor)
+                 for k in range(len(rows))]
+        return np.array([p.level for p in preds]), np.array([p.scale for p in preds])
 
     def _lr_unit(self, lr: float) -> float:
         """log of the LR that explains this record's step size: the logged LR while it follows its schedule,
@@ -241,17 +305,22 @@ class LayerJumpDetector:
         return [self._finding(pending, Severity.WARNING, pending["step"], unconfirmed=True)]
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-data state."""
-        return {"series": {n: {"base": s.base.state_dict(), "quiet": s.quiet} for n, s in self._series.items()},
+        """Plain-data state (the per-series format of the per-value implementation)."""
+        return {"series": {n: {"base": self._rings.row_state(r), "quiet": int(self._quiet[r])}
+                           for r, n in enumerate(self._names)},
                 "lr": self._lr.state_dict(), "pending": self._pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
-        self._series = {}
+        self._rings = Rings(self.config.window)
+        self._names, self._rows, self._plans = [], {}, {}
+        self._quiet = np.zeros(0, dtype=np.int64)
         for name, st in state["series"].items():
-            series = self._series[name] = _Series(self.config)
-            series.base.load_state_dict(st["base"])
-            series.quiet = int(st["quiet"])
+            row = self._add_series(str(name))
+            if row < 0:
+                break
+            self._rings.load_row(row, st["base"]["x"], st["base"]["y"])
+            self._quiet[row] = int(st["quiet"])
         self._lr.load_state_dict(state["lr"])
         self._pending = state.get("pending")
 
