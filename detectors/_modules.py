@@ -76,80 +76,89 @@ def row_median(a: np.ndarray) -> np.ndarray:
     """The median of each row of a 2-d array, exactly as ``_stats.median`` computes it for one row (the mean of
     the two middle order statistics)."""
     n = a.shape[1]
-    lo, hi = (n - 1) // 2, n // 2
-    if lo == hi:
-        mid = np.partition(a, lo, axis=1)[:, lo]
-        return 0.5 * (mid + mid)
-    part = np.partition(a, (lo, hi), axis=1)
-    return 0.5 * (part[:, lo] + part[:, hi])
+    part = np.sort(a, axis=1)  # (faster than np.partition along an axis for these sizes; the same order statistics)
+    return 0.5 * (part[:, (n - 1) // 2] + part[:, n // 2])
 
 
 class Rings:
-    """Trailing windows of ``size`` (x, y) points for a growing set of series (rows), oldest first on read."""
+    """Trailing windows of ``size`` (x, y) points for a growing set of series (rows), aligned on their newest point.
 
-    __slots__ = ("count", "head", "rows", "size", "x", "y")
+    Every row's window ends at the same column (``end``): the last ``n`` points of all rows are one basic slice
+    of the matrices (:meth:`slab`, a view: no gather), and pushing a value to every row is one column store. A
+    row that gets no value on a push moves its window one column right (a copy of that row only), so the
+    alignment holds; every ``2 * size`` pushes the windows move back to the start of the buffer.
+    """
+
+    __slots__ = ("count", "end", "rows", "size", "x", "y")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.rows = 0
-        self.x = np.zeros((0, size))
-        self.y = np.zeros((0, size))
-        self.head = np.zeros(0, dtype=np.int64)
-        """Position of each row's oldest point."""
+        self.x = np.zeros((0, 3 * size))
+        self.y = np.zeros((0, 3 * size))
+        self.end = size
+        """Column after every row's newest point."""
         self.count = np.zeros(0, dtype=np.int64)
         """Points in each row's window."""
 
     def add_row(self) -> int:
         """A new empty row; its index."""
-        if self.rows == len(self.head):
+        if self.rows == len(self.count):
             cap = max(8, 2 * self.rows)
-            self.x = np.resize(self.x, (cap, self.size))
-            self.y = np.resize(self.y, (cap, self.size))
-            self.head = np.resize(self.head, cap)
+            self.x = np.resize(self.x, (cap, 3 * self.size))
+            self.y = np.resize(self.y, (cap, 3 * self.size))
             self.count = np.resize(self.count, cap)
         row = self.rows
-        self.head[row] = 0
         self.count[row] = 0
         self.rows += 1
         return row
 
     def push(self, rows: np.ndarray, x: float | np.ndarray, y: np.ndarray) -> None:
-        """Append one point to each of ``rows`` (distinct), dropping the oldest beyond ``size``."""
+        """Append one point to each of ``rows`` (distinct, ascending), dropping the oldest beyond ``size``."""
+        n_rows, size = self.rows, self.size
         if len(rows) == 0:
             return
-        head, count = self.head[rows], self.count[rows]
-        full = count == self.size
-        pos = head + count
-        pos[pos >= self.size] -= self.size
-        self.x[rows, pos] = x
-        self.y[rows, pos] = y
-        self.head[rows] = np.where(full, np.where(head + 1 == self.size, 0, head + 1), head)
-        self.count[rows] = np.where(full, count, count + 1)
+        end = self.end
+        if end == 3 * size:
+            self.x[:n_rows, :size] = self.x[:n_rows, end - size : end]
+            self.y[:n_rows, :size] = self.y[:n_rows, end - size : end]
+            end = size
+        if len(rows) == n_rows:  # every row (rows are distinct): one column
+            self.x[:n_rows, end] = x
+            self.y[:n_rows, end] = y
+            count = self.count[:n_rows]
+            count += count < size
+        else:
+            idle = np.ones(n_rows, dtype=bool)
+            idle[rows] = False
+            others = np.flatnonzero(idle)
+            self.x[others, end - size + 1 : end + 1] = self.x[others, end - size : end]
+            self.y[others, end - size + 1 : end + 1] = self.y[others, end - size : end]
+            self.x[rows, end] = x
+            self.y[rows, end] = y
+            self.count[rows] += self.count[rows] < size
+        self.end = end + 1
 
     def clear(self, row: int) -> None:
         """Forget every point of ``row``."""
-        self.head[row] = 0
         self.count[row] = 0
 
-    def ordered(self, rows: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The x and y windows of ``rows`` (each holding ``n`` points), oldest first: two ``[rows x n]`` arrays."""
-        idx = self.head[rows, None] + np.arange(n)
-        idx[idx >= self.size] -= self.size
-        return self.x[rows[:, None], idx], self.y[rows[:, None], idx]
+    def slab(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The last ``n`` columns of every row (views, ``[rows x n]``): the window of each row holding ``n``."""
+        return self.x[: self.rows, self.end - n : self.end], self.y[: self.rows, self.end - n : self.end]
 
     def row(self, row: int) -> tuple[np.ndarray, np.ndarray]:
-        """One row's x and y windows, oldest first (contiguous 1-d arrays)."""
-        n = int(self.count[row])
-        idx = (int(self.head[row]) + np.arange(n)) % self.size
-        return self.x[row, idx], self.y[row, idx]
+        """One row's x and y windows, oldest first (contiguous 1-d copies)."""
+        start = self.end - int(self.count[row])
+        return self.x[row, start : self.end].copy(), self.y[row, start : self.end].copy()
 
     def load_row(self, row: int, xs: list[Any], ys: list[Any]) -> None:
         """Fill ``row`` with a saved window (the last ``size`` points of it)."""
-        self.clear(row)
-        keep = list(zip(xs, ys, strict=True))[-self.size:]
+        keep = list(zip(xs, ys, strict=True))[-self.size :]
+        start = self.end - len(keep)
         for i, (x, y) in enumerate(keep):
-            self.x[row, i] = float(x)
-            self.y[row, i] = float(y)
+            self.x[row, start + i] = float(x)
+            self.y[row, start + i] = float(y)
         self.count[row] = len(keep)
 
     def row_state(self, row: int) -> dict[str, Any]:

@@ -206,8 +206,8 @@ class LayerJumpDetector:
             return -1
         row = self._rows[name] = self._rings.add_row()
         self._names.append(name)
-        if len(self._quiet) < len(self._rings.head):
-            self._quiet = np.resize(self._quiet, len(self._rings.head))
+        if len(self._quiet) < len(self._rings.count):
+            self._quiet = np.resize(self._quiet, len(self._rings.count))
         self._quiet[row] = 0
         return row
 
@@ -238,19 +238,31 @@ class LayerJumpDetector:
             return None
         y = log_list(values[sel]) - shift
         step = record.step
-        rings = self._rings
-        count = rings.count[rows]
+        count = self._rings.count[rows]
         accept = np.ones(len(sel), dtype=bool)
         judged = np.flatnonzero(count >= cfg.min_points)
         jumped: list[tuple[int, float, float]] = []
         """(index into sel, predicted level, z) of the values that jumped."""
-        for n in np.unique(count[judged]).tolist():
-            idx = judged[count[judged] == n]
-            levels, zs = self._predict(rows[idx], int(n), step)
+        log_factor = math.log(cfg.factor)
+        counts = count[judged]
+        groups = [] if not len(judged) else [int(counts[0])] if counts.min() == counts.max() else np.unique(
+            counts).tolist()
+        for n in groups:
+            idx = judged if len(groups) == 1 else judged[counts == n]
+            xs, ys = self._rings.slab(int(n))
+            if not _is_range(rows[idx], self._rings.rows):
+                xs, ys = xs[rows[idx]], ys[rows[idx]]
+            idx = idx[~self._surely_below(xs, ys, y[idx], float(step), log_factor)]
+            if not len(idx):
+                continue
+            if len(idx) < len(xs):
+                xs, ys = self._rings.slab(int(n))
+                xs, ys = xs[rows[idx]], ys[rows[idx]]
+            levels, scales = self._predict(xs, ys, step)
             d = y[idx] - levels
             with np.errstate(invalid="ignore", divide="ignore"):
-                z = d / zs
-            near = ~((d < math.log(cfg.factor) - _MARGIN) | (z < cfg.z_threshold))
+                z = d / scales
+            near = ~((d < log_factor - _MARGIN) | (z < cfg.z_threshold))
             for k in np.flatnonzero(near).tolist():
                 ratio, zk = safe_exp(float(d[k])), float(z[k])
                 if not (ratio < cfg.factor or zk < cfg.z_threshold):
@@ -258,7 +270,7 @@ class LayerJumpDetector:
                     jumped.append((int(idx[k]), float(levels[k]), zk))
         quiet = self._quiet
         ok_rows = rows[accept]
-        rings.push(ok_rows, float(step), y[accept])
+        self._rings.push(ok_rows, float(step), y[accept])
         counted = ok_rows[count[accept] >= cfg.min_points]
         quiet[counted] = np.maximum(quiet[counted] - 1, 0)
         if not jumped:
@@ -278,15 +290,27 @@ class LayerJumpDetector:
         return {"step": record.step, "rank": record.rank, "host": record.host, "jumps": [list(j) for j in jumps],
                 "levels": levels_out}
 
-    def _predict(self, rows: np.ndarray, n: int, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """The robust line's level at ``step`` and its scale for ``rows`` (each with ``n`` points)."""
+    @staticmethod
+    def _surely_below(xs: np.ndarray, ys: np.ndarray, y: np.ndarray, x: float, log_factor: float) -> np.ndarray:
+        """Per row: ``y`` is less than ``log_factor`` over the robust line's prediction at ``x``, proven without
+        fitting it (:func:`~stability.detectors._rolling.level_lower_bound` for all rows at once: the median plus
+        the steepest possible fall; x strictly increasing by >= 1 and ``x`` past the window, else not proven)."""
+        n = xs.shape[1]
+        if n < 2:
+            return np.zeros(len(xs), dtype=bool)
+        s = np.sort(ys, axis=1)
+        bound = (0.5 * (s[:, (n - 1) // 2] + s[:, n // 2]) + (s[:, 0] - s[:, -1]) / (n // 2) * (x - xs[:, 0])) - _MARGIN
+        regular = ((xs[:, 1:] - xs[:, :-1]).min(axis=1) >= 1.0) & (x >= xs[:, -1]) & np.isfinite(s[:, -1])
+        return regular & (y - bound < log_factor)
+
+    def _predict(self, xs: np.ndarray, ys: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The robust line's level at ``step`` and its scale for each row of the windows ``xs``, ``ys``."""
         cfg = self.config
-        xs, ys = self._rings.ordered(rows, n)
-        if n >= 2:
+        if xs.shape[1] >= 2:
             with np.errstate(invalid="ignore", divide="ignore"):
                 return line_predict(xs, ys, float(step), cfg.scale_floor)
         preds = [predict_line(xs[k], ys[k], step, min_points=cfg.min_points, scale_floor=cfg.scale_floor)
-                 for k in range(len(rows))]
+                 for k in range(len(xs))]
         return np.array([p.level for p in preds]), np.array([p.scale for p in preds])
 
     def _lr_unit(self, lr: float) -> float:
@@ -323,6 +347,11 @@ class LayerJumpDetector:
             self._quiet[row] = int(st["quiet"])
         self._lr.load_state_dict(state["lr"])
         self._pending = state.get("pending")
+
+
+def _is_range(rows: np.ndarray, n: int) -> bool:
+    """``rows`` is ``0, 1, ..., n - 1`` (a slab of all rows is then already in their order)."""
+    return len(rows) == n and (n == 0 or (rows[0] == 0 and rows[-1] == n - 1 and bool((np.diff(rows) == 1).all())))
 
 
 EMBEDDING_MODULE = re.compile(r"(^|[._])(wte|wpe|embed\w*|embedding\w*|\w*_emb|emb|encoder|tok\w*)$", re.IGNORECASE)

@@ -64,6 +64,7 @@ def test_rings_hold_the_trailing_window_in_order() -> None:
         rows = np.flatnonzero(rng.random(3) < 0.7)
         ys = rng.normal(size=len(rows))
         rings.push(rows, float(t), ys)
+        assert rings.slab(1)[1][rows, 0].tolist() == ys.tolist()
         for r, y in zip(rows.tolist(), ys.tolist(), strict=True):
             refs[r].push(float(t), y)
         if t == 20:
