@@ -390,6 +390,213 @@ class AdamLagConfig:
 
 
 class AdamLagDetector:
+    """Streaming Adam second-moment lag detector for one rank (see the module docstring).
+
+    Vectorised (issue #14 item 8): a module's own baseline (its last ``own_window`` values that raised no alarm)
+    is a row of one :class:`~._modules.Rings`, peaks and cooldowns are arrays, and a record's ``adam_v_ratio``
+    values are compared, counted down and appended with a few numpy operations; a module's threshold is computed
+    (from its row, as before) only for a value at or above ``min(lag, sparse_lag)``, which no threshold is under.
+    """
+
+    name = "adam_lag"
+    kind = "adam_v_lag"
+
+    def __init__(self, config: AdamLagConfig | None = None) -> None:
+        self.config = config or AdamLagConfig()
+        self._lr = LrTracker()
+        self._losses: deque[float] = deque(maxlen=self.config.loss_window)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._idx: dict[str, int] = {}
+        self._names: list[str] = []
+        """Index -> series name (every ``adam_v_ratio`` series seen, in order)."""
+        self._quiet = np.zeros(0, dtype=np.int64)
+        self._in_quiet = np.zeros(0, dtype=bool)
+        """The series has a cooldown entry (it alarmed once): kept in the state as the per-value code did."""
+        self._row = np.zeros(0, dtype=np.int64)
+        """Index -> its row of own values (created with its first value that raised no alarm), or -1."""
+        self._peak = np.zeros(0)
+        self._rings = Rings(self.config.own_window)
+        self._row_names: list[str] = []
+        self._plans: dict[Schema, tuple[np.ndarray, list[str], np.ndarray]] = {}
+
+    def _index(self, name: str) -> int:
+        idx = self._idx.get(name)
+        if idx is None:
+            idx = self._idx[name] = len(self._names)
+            self._names.append(name)
+            if idx >= len(self._quiet):
+                cap = max(16, 2 * idx)
+                self._quiet, self._in_quiet = np.resize(self._quiet, cap), np.resize(self._in_quiet, cap)
+                self._row, self._peak = np.resize(self._row, cap), np.resize(self._peak, cap)
+            self._quiet[idx], self._in_quiet[idx], self._row[idx], self._peak[idx] = 0, False, -1, 0.0
+        return idx
+
+    def _plan(self, schema: Schema) -> tuple[np.ndarray, list[str], np.ndarray]:
+        plan = self._plans.get(schema)
+        if plan is None:
+            pos = schema.by_quantity.get("adam_v_ratio", [])
+            names = [schema.names[i] for i in pos]
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            plan = self._plans[schema] = (np.array(pos, dtype=np.int64), names,
+                                          np.array([self._index(n) for n in names], dtype=np.int64))
+        return plan
+
+    def _threshold(self, name: str) -> float:
+        """The lag that alarms on ``name``: ``lag``, or more for a module whose own baseline is heavy-tailed or
+        spread (``tail_factor`` x its peak, ``own_z`` robust sigmas of its positive values over their median); at
+        least ``sparse_lag`` for a sparse-gradient module (no gradient, a ratio of 0, on ``sparse_zeros`` of its
+        records: an MoE expert no token was routed to; or an embedding by name); an embedding whose own history is
+        still too short: never."""
+        cfg = self.config
+        idx = self._idx.get(name)
+        row = -1 if idx is None else int(self._row[idx])
+        sparse = EMBEDDING_MODULE.search(split_signal(name)[1] or "") is not None
+        if row < 0 or self._rings.count[row] < cfg.own_min_points:
+            return math.inf if sparse else cfg.lag
+        values = self._rings.row(row)[1]
+        positive = values[values > 0]
+        sparse = sparse or len(positive) <= (1.0 - cfg.sparse_zeros) * len(values)
+        assert idx is not None
+        threshold = max(cfg.sparse_lag if sparse else cfg.lag, cfg.tail_factor * float(self._peak[idx]))
+        if len(positive) >= cfg.own_min_points:
+            logs = np.log(positive)
+            center = median(logs)
+            spread = max(1.4826 * median(np.abs(logs - center)), cfg.own_floor)
+            threshold = max(threshold, safe_exp(center + cfg.own_z * spread))
+        return threshold
+
+    def update(self, record: StepRecord) -> list[Finding]:
+        """Consume one record."""
+        cfg = self.config
+        self._lr.update(record.step, record.get("lr"))
+        lags = []
+        schema, all_values = layout(record)
+        pos, names, plan_idx = self._plan(schema)
+        if len(pos):
+            lags = self._lags(record, all_values[pos], names, plan_idx)
+        alarm = bool(lags) and not self._lr.in_warmup(record.step, cfg.warmup_gate)
+        loss = record.get("loss")
+        typical = median(np.fromiter(self._losses, dtype=np.float64)) if alarm and self._losses else math.nan
+        if math.isfinite(loss):
+            self._losses.append(loss)
+        if not alarm:
+            return []
+        value, name = max(lags)
+        loss_up = math.isfinite(loss) and typical > 0 and loss >= cfg.loss_ratio * typical
+        message = (f"{name} = {value:.3g}: the squared gradient is {value:.3g}x Adam's second-moment estimate "
+                   "(the update is too large)")
+        if len(lags) > 1:
+            message += f"; {len(lags) - 1} more layers lag too"
+        if loss_up:
+            message += f"; the loss jumped {loss / typical:.3g}x at the same step (the batch's gradient)"
+        return [Finding(kind=self.kind, step=record.step, onset=record.step,
+                        severity=Severity.INFO if loss_up else Severity.WARNING, signal=name, value=value,
+                        message=message, detector=self.name, rank=record.rank, host=record.host, score=value,
+                        evidence={"lag": value, "layers": float(len(lags))})]
+
+    def _lags(self, record: StepRecord, values: np.ndarray, names: list[str],
+              plan_idx: np.ndarray) -> list[tuple[float, str]]:
+        """Judge, count down and append this record's values; the (value, name) of the modules that lag."""
+        cfg = self.config
+        sel = np.flatnonzero(np.isfinite(values))
+        v, idx = values[sel], plan_idx[sel]
+        threshold = np.full(len(sel), math.inf)
+        for k in np.flatnonzero(v >= min(cfg.lag, cfg.sparse_lag)).tolist():
+            threshold[k] = self._threshold(names[int(sel[k])])
+        hit = v >= threshold
+        quiet = self._quiet[idx]
+        lags = [(record.signals[names[int(sel[k])]], names[int(sel[k])])
+                for k in np.flatnonzero(hit & (quiet == 0)).tolist()]
+        self._in_quiet[idx] |= hit | (quiet > 0)
+        self._quiet[idx] = np.where(hit, cfg.cooldown, np.where(quiet > 0, quiet - 1, quiet))
+        keep = np.flatnonzero(~hit)
+        rows = self._row[idx[keep]]
+        for k in np.flatnonzero(rows < 0).tolist():
+            if len(self._row_names) < MAX_SERIES:
+                i = int(idx[keep[k]])
+                rows[k] = self._row[i] = self._rings.add_row()
+                self._row_names.append(self._names[i])
+        if (rows < 0).any():
+            keep, rows = keep[rows >= 0], rows[rows >= 0]
+        order = np.argsort(rows, kind="stable")
+        self._rings.push(rows[order], float(record.step), v[keep][order])
+        kept = idx[keep]
+        self._peak[kept] = np.maximum(self._peak[kept] * 0.5 ** (1.0 / cfg.peak_half_life), v[keep])
+        return lags
+
+    def finish(self) -> list[Finding]:
+        """Nothing to flush."""
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state (the per-series format of the per-value implementation)."""
+        by_row = {int(self._row[self._idx[n]]): n for n in self._row_names}
+        return {"lr": self._lr.state_dict(), "losses": list(self._losses),
+                "quiet": {n: int(self._quiet[i]) for i, n in enumerate(self._names) if self._in_quiet[i]},
+                "own": {by_row[r]: self._rings.row(r)[1].tolist() for r in range(len(self._row_names))},
+                "peak": {n: float(self._peak[self._idx[n]]) for n in self._row_names}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._lr.load_state_dict(state["lr"])
+        self._losses = deque((float(v) for v in state["losses"]), maxlen=self.config.loss_window)
+        self._reset()
+        for name, q in state["quiet"].items():
+            i = self._index(str(name))
+            self._quiet[i], self._in_quiet[i] = int(q), True
+        peaks = state.get("peak", {})
+        for name, own in state.get("own", {}).items():
+            i = self._index(str(name))
+            row = self._row[i] = self._rings.add_row()
+            self._row_names.append(str(name))
+            self._rings.load_row(row, [0.0] * len(own), own)
+            self._peak[i] = float(peaks.get(name, 0.0))
+
+
+def _is_range(rows: np.ndarray, n: int) -> bool:
+    """``rows`` is ``0, 1, ..., n - 1`` (a slab of all rows is then already in their order)."""
+    return len(rows) == n and (n == 0 or (rows[0] == 0 and rows[-1] == n - 1 and bool((np.diff(rows) == 1).all())))
+
+
+EMBEDDING_MODULE = re.compile(r"(^|[._])(wte|wpe|embed\w*|embedding\w*|\w*_emb|emb|encoder|tok\w*)$", re.IGNORECASE)
+"""Module names of embedding tables (nanoGPT ``wte``/``wpe``, HF ``embed_tokens``, pytorch/examples
+``word_language_model``'s ``encoder``): the fallback for sparse gradients while a module's own history is short."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdamLagConfig:
+    """Settings of :class:`AdamLagDetector`."""
+
+    lag: float = 20.0
+    loss_ratio: float = 1.3
+    loss_window: int = 16
+    warmup_gate: float = 2.0
+    cooldown: int = 20
+    own_window: int = 128
+    """Records of a module's own ``adam_v_ratio`` kept as its baseline (values that raised no alarm)."""
+    own_min_points: int = 8
+    tail_factor: float = 2.0
+    """A lag must also be this many times the module's own peak (values that raised no alarm) ..."""
+    peak_half_life: float = 200.0
+    """... a running maximum that halves every this many of the module's records (a tail seen long ago fades)."""
+    own_z: float = 6.0
+    """... and this many robust sigmas (of its log values) over their median: a module whose ``g^2 / v`` is
+    heavy-tailed or widely spread by nature (sparse gradients: embedding rows that rarely get one, whose ``v`` has
+    decayed) needs more than a dense layer, whose ratio stays near 1."""
+    own_floor: float = 0.1
+    sparse_zeros: float = 0.1
+    """A module whose ratio is 0 (no gradient at all) on this share of its own records has sparse gradients."""
+    sparse_lag: float = 200.0
+    """The least lag that alarms on a sparse-gradient module (an embedding by name, :data:`EMBEDDING_MODULE`, or
+    an MoE expert that often gets no token): its rows get a gradient only when their tokens occur, so the first
+    batch of rare rows after a quiet stretch is a lag of 20-130 by nature, which its own history cannot foresee (a
+    corrupted replica's lag reaches 1e3-1e6)."""
+
+
+class AdamLagDetector:
     """Streaming Adam second-moment lag detector for one rank (see the module docstring)."""
 
     name = "adam_lag"
