@@ -77,7 +77,8 @@ def row_median(a: np.ndarray) -> np.ndarray:
     the two middle order statistics)."""
     n = a.shape[1]
     part = np.sort(a, axis=1)  # (faster than np.partition along an axis for these sizes; the same order statistics)
-    return 0.5 * (part[:, (n - 1) // 2] + part[:, n // 2])
+    out: np.ndarray = 0.5 * (part[:, (n - 1) // 2] + part[:, n // 2])
+    return out
 
 
 class Rings:

@@ -44,7 +44,7 @@ from stability.detectors._stats import Window, mad_scale, median, robust_line, s
 from stability.detectors.base import Finding, Severity
 from stability.detectors.divergence import mann_kendall_z
 from stability.detectors.history import LrTracker
-from stability.records import StepRecord, split_signal
+from stability.records import StepRecord
 
 __all__ = ["GrowthConfig", "GrowthDetector", "GROWTH_KINDS"]
 
@@ -185,9 +185,16 @@ class GrowthDetector:
         quiet_rows = rows[judged[~far]]  # no growth possible (the exact shortcut of _judge): hit is None
         self._quiet[quiet_rows] += 1
         self._fired[quiet_rows[self._quiet[quiet_rows] >= cfg.window]] = False
+        return self._judge_rows(record, warming, judged[far], rows, names, quantities, sel, values)
+
+    def _judge_rows(self, record: StepRecord, warming: bool, far: np.ndarray, rows: np.ndarray, names: list[str],
+                    quantities: list[str], sel: np.ndarray, values: np.ndarray) -> list[Finding]:
+        """Judge the series the range shortcut did not clear, one by one in record order (as before): one finding
+        per kind (the fastest-growing series, with the count)."""
+        cfg = self.config
         best: dict[str, tuple[float, Finding]] = {}
         found: dict[str, int] = {}
-        for i in judged[far].tolist():
+        for i in far.tolist():
             row, name, quantity = int(rows[i]), names[int(sel[i])], quantities[int(sel[i])]
             value = float(values[sel[i]])
             kind = GROWTH_KINDS[quantity]

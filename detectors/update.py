@@ -217,7 +217,8 @@ class LayerJumpDetector:
         for i in sel[rows[sel] < 0].tolist():
             row = self._rows.get(names[i], -1)
             rows[i] = row if row >= 0 else self._add_series(names[i])
-        return rows[sel]
+        out: np.ndarray = rows[sel]
+        return out
 
     def _jumps(self, record: StepRecord) -> dict[str, Any] | None:
         """This record's jumps, or ``None``."""
@@ -239,10 +240,38 @@ class LayerJumpDetector:
         y = log_list(values[sel]) - shift
         step = record.step
         count = self._rings.count[rows]
-        accept = np.ones(len(sel), dtype=bool)
+        accept, jumped = self._judge(rows, y, count, step)
+        quiet = self._quiet
+        ok_rows = rows[accept]
+        self._rings.push(ok_rows, float(step), y[accept])
+        counted = ok_rows[count[accept] >= cfg.min_points]
+        quiet[counted] = np.maximum(quiet[counted] - 1, 0)
+        if not jumped:
+            return None
+        jumps: list[tuple[float, str, float, float, float]] = []
+        levels_out: dict[str, float] = {}
+        for i, level, z in sorted(jumped):
+            row = int(rows[i])
+            if quiet[row] == 0 and not warming:
+                name = names[int(sel[i])]
+                yi = float(y[i])
+                jumps.append((safe_exp(yi - level), name, record.signals[name], safe_exp(level + shift), z))
+                levels_out[name] = level + shift
+            quiet[row] = cfg.cooldown
+        if not jumps:
+            return None
+        return {"step": record.step, "rank": record.rank, "host": record.host, "jumps": [list(j) for j in jumps],
+                "levels": levels_out}
+
+    def _judge(self, rows: np.ndarray, y: np.ndarray, count: np.ndarray,
+               step: int) -> tuple[np.ndarray, list[tuple[int, float, float]]]:
+        """Which values to accept into their baselines, and the (index, predicted level, z) of those that jumped:
+        every row's line bound at once, the full fit for the rows the bound does not clear, and a scalar decision
+        for the values at the threshold."""
+        cfg = self.config
+        accept = np.ones(len(rows), dtype=bool)
         judged = np.flatnonzero(count >= cfg.min_points)
         jumped: list[tuple[int, float, float]] = []
-        """(index into sel, predicted level, z) of the values that jumped."""
         log_factor = math.log(cfg.factor)
         counts = count[judged]
         groups = [] if not len(judged) else [int(counts[0])] if counts.min() == counts.max() else np.unique(
@@ -268,27 +297,7 @@ class LayerJumpDetector:
                 if not (ratio < cfg.factor or zk < cfg.z_threshold):
                     accept[idx[k]] = False
                     jumped.append((int(idx[k]), float(levels[k]), zk))
-        quiet = self._quiet
-        ok_rows = rows[accept]
-        self._rings.push(ok_rows, float(step), y[accept])
-        counted = ok_rows[count[accept] >= cfg.min_points]
-        quiet[counted] = np.maximum(quiet[counted] - 1, 0)
-        if not jumped:
-            return None
-        jumps: list[tuple[float, str, float, float, float]] = []
-        levels_out: dict[str, float] = {}
-        for i, level, z in sorted(jumped):
-            row = int(rows[i])
-            if quiet[row] == 0 and not warming:
-                name = names[int(sel[i])]
-                yi = float(y[i])
-                jumps.append((safe_exp(yi - level), name, float(values[sel[i]]), safe_exp(level + shift), z))
-                levels_out[name] = level + shift
-            quiet[row] = cfg.cooldown
-        if not jumps:
-            return None
-        return {"step": record.step, "rank": record.rank, "host": record.host, "jumps": [list(j) for j in jumps],
-                "levels": levels_out}
+        return accept, jumped
 
     @staticmethod
     def _surely_below(xs: np.ndarray, ys: np.ndarray, y: np.ndarray, x: float, log_factor: float) -> np.ndarray:
@@ -301,7 +310,8 @@ class LayerJumpDetector:
         s = np.sort(ys, axis=1)
         bound = (0.5 * (s[:, (n - 1) // 2] + s[:, n // 2]) + (s[:, 0] - s[:, -1]) / (n // 2) * (x - xs[:, 0])) - _MARGIN
         regular = ((xs[:, 1:] - xs[:, :-1]).min(axis=1) >= 1.0) & (x >= xs[:, -1]) & np.isfinite(s[:, -1])
-        return regular & (y - bound < log_factor)
+        out: np.ndarray = regular & (y - bound < log_factor)
+        return out
 
     def _predict(self, xs: np.ndarray, ys: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
         """The robust line's level at ``step`` and its scale for each row of the windows ``xs``, ``ys``."""
@@ -554,137 +564,3 @@ class AdamLagDetector:
             self._row_names.append(str(name))
             self._rings.load_row(row, [0.0] * len(own), own)
             self._peak[i] = float(peaks.get(name, 0.0))
-
-
-def _is_range(rows: np.ndarray, n: int) -> bool:
-    """``rows`` is ``0, 1, ..., n - 1`` (a slab of all rows is then already in their order)."""
-    return len(rows) == n and (n == 0 or (rows[0] == 0 and rows[-1] == n - 1 and bool((np.diff(rows) == 1).all())))
-
-
-EMBEDDING_MODULE = re.compile(r"(^|[._])(wte|wpe|embed\w*|embedding\w*|\w*_emb|emb|encoder|tok\w*)$", re.IGNORECASE)
-"""Module names of embedding tables (nanoGPT ``wte``/``wpe``, HF ``embed_tokens``, pytorch/examples
-``word_language_model``'s ``encoder``): the fallback for sparse gradients while a module's own history is short."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AdamLagConfig:
-    """Settings of :class:`AdamLagDetector`."""
-
-    lag: float = 20.0
-    loss_ratio: float = 1.3
-    loss_window: int = 16
-    warmup_gate: float = 2.0
-    cooldown: int = 20
-    own_window: int = 128
-    """Records of a module's own ``adam_v_ratio`` kept as its baseline (values that raised no alarm)."""
-    own_min_points: int = 8
-    tail_factor: float = 2.0
-    """A lag must also be this many times the module's own peak (values that raised no alarm) ..."""
-    peak_half_life: float = 200.0
-    """... a running maximum that halves every this many of the module's records (a tail seen long ago fades)."""
-    own_z: float = 6.0
-    """... and this many robust sigmas (of its log values) over their median: a module whose ``g^2 / v`` is
-    heavy-tailed or widely spread by nature (sparse gradients: embedding rows that rarely get one, whose ``v`` has
-    decayed) needs more than a dense layer, whose ratio stays near 1."""
-    own_floor: float = 0.1
-    sparse_zeros: float = 0.1
-    """A module whose ratio is 0 (no gradient at all) on this share of its own records has sparse gradients."""
-    sparse_lag: float = 200.0
-    """The least lag that alarms on a sparse-gradient module (an embedding by name, :data:`EMBEDDING_MODULE`, or
-    an MoE expert that often gets no token): its rows get a gradient only when their tokens occur, so the first
-    batch of rare rows after a quiet stretch is a lag of 20-130 by nature, which its own history cannot foresee (a
-    corrupted replica's lag reaches 1e3-1e6)."""
-
-
-class AdamLagDetector:
-    """Streaming Adam second-moment lag detector for one rank (see the module docstring)."""
-
-    name = "adam_lag"
-    kind = "adam_v_lag"
-
-    def __init__(self, config: AdamLagConfig | None = None) -> None:
-        self.config = config or AdamLagConfig()
-        self._lr = LrTracker()
-        self._losses: deque[float] = deque(maxlen=self.config.loss_window)
-        self._quiet: dict[str, int] = {}
-        self._own: dict[str, deque[float]] = {}
-        self._peak: dict[str, float] = {}
-        """series -> its recent values that raised no alarm (its own baseline)."""
-
-    def _threshold(self, name: str) -> float:
-        """The lag that alarms on ``name``: ``lag``, or more for a module whose own baseline is heavy-tailed or
-        spread (``tail_factor`` x its peak, ``own_z`` robust sigmas of its positive values over their median); at
-        least ``sparse_lag`` for a sparse-gradient module (no gradient, a ratio of 0, on ``sparse_zeros`` of its
-        records: an MoE expert no token was routed to; or an embedding by name); an embedding whose own history is
-        still too short: never."""
-        cfg = self.config
-        own = self._own.get(name)
-        sparse = EMBEDDING_MODULE.search(split_signal(name)[1] or "") is not None
-        if own is None or len(own) < cfg.own_min_points:
-            return math.inf if sparse else cfg.lag
-        values = np.fromiter(own, dtype=np.float64)
-        positive = values[values > 0]
-        sparse = sparse or len(positive) <= (1.0 - cfg.sparse_zeros) * len(values)
-        threshold = max(cfg.sparse_lag if sparse else cfg.lag, cfg.tail_factor * self._peak.get(name, 0.0))
-        if len(positive) >= cfg.own_min_points:
-            logs = np.log(positive)
-            center = median(logs)
-            spread = max(1.4826 * median(np.abs(logs - center)), cfg.own_floor)
-            threshold = max(threshold, safe_exp(center + cfg.own_z * spread))
-        return threshold
-
-    def update(self, record: StepRecord) -> list[Finding]:
-        """Consume one record."""
-        cfg = self.config
-        self._lr.update(record.step, record.get("lr"))
-        lags = []
-        least = min(cfg.lag, cfg.sparse_lag)  # no threshold is lower: a value under it needs none computed
-        for name, value in record.signals.items():
-            if split_signal(name)[0] != "adam_v_ratio" or not math.isfinite(value):
-                continue
-            quiet = self._quiet.get(name, 0)
-            threshold = self._threshold(name) if value >= least else math.inf
-            if value >= threshold and quiet == 0:
-                lags.append((value, name))
-            if value >= threshold or quiet:
-                self._quiet[name] = cfg.cooldown if value >= threshold else quiet - 1
-            if value < threshold and (name in self._own or len(self._own) < MAX_SERIES):
-                self._own.setdefault(name, deque(maxlen=cfg.own_window)).append(value)
-                self._peak[name] = max(self._peak.get(name, 0.0) * 0.5 ** (1.0 / cfg.peak_half_life), value)
-        alarm = bool(lags) and not self._lr.in_warmup(record.step, cfg.warmup_gate)
-        loss = record.get("loss")
-        typical = median(np.fromiter(self._losses, dtype=np.float64)) if alarm and self._losses else math.nan
-        if math.isfinite(loss):
-            self._losses.append(loss)
-        if not alarm:
-            return []
-        value, name = max(lags)
-        loss_up = math.isfinite(loss) and typical > 0 and loss >= cfg.loss_ratio * typical
-        message = (f"{name} = {value:.3g}: the squared gradient is {value:.3g}x Adam's second-moment estimate "
-                   "(the update is too large)")
-        if len(lags) > 1:
-            message += f"; {len(lags) - 1} more layers lag too"
-        if loss_up:
-            message += f"; the loss jumped {loss / typical:.3g}x at the same step (the batch's gradient)"
-        return [Finding(kind=self.kind, step=record.step, onset=record.step,
-                        severity=Severity.INFO if loss_up else Severity.WARNING, signal=name, value=value,
-                        message=message, detector=self.name, rank=record.rank, host=record.host, score=value,
-                        evidence={"lag": value, "layers": float(len(lags))})]
-
-    def finish(self) -> list[Finding]:
-        """Nothing to flush."""
-        return []
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain-data state."""
-        return {"lr": self._lr.state_dict(), "losses": list(self._losses), "quiet": dict(self._quiet),
-                "own": {k: list(v) for k, v in self._own.items()}, "peak": dict(self._peak)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self._lr.load_state_dict(state["lr"])
-        self._losses = deque((float(v) for v in state["losses"]), maxlen=self.config.loss_window)
-        self._quiet = {str(k): int(v) for k, v in state["quiet"].items()}
-        self._own = {str(k): deque((float(x) for x in v), maxlen=self.config.own_window)
-                     for k, v in state.get("own", {}).items()}
-        self._peak = {str(k): float(v) for k, v in state.get("peak", {}).items()}

@@ -16,7 +16,6 @@ import pytest
 
 from stability.detectors._modules import Rings, row_median
 from stability.detectors._stats import Window, median
-
 from tests import _vec_streams as vs
 
 REFERENCE = json.loads(vs.FIXTURE.read_text())
