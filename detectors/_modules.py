@@ -22,10 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._stats import MAD_TO_SIGMA
 from stability.records import StepRecord, split_signal
 
-__all__ = ["Rings", "Schema", "layout", "line_predict", "log_list", "row_median"]
+__all__ = ["VECTOR_MIN", "Rings", "Schema", "layout", "log_list", "row_median"]
+
+VECTOR_MIN = 10
+"""Series of a record from which a detector takes its vectorised path (fewer: the per-value loop is cheaper;
+measured crossover 9-11 series for the vanishing and growth rules)."""
 
 
 class Schema:
@@ -166,17 +169,3 @@ class Rings:
         """``_stats.Window.state_dict``'s format for one row (x as integers when they all are)."""
         xs, ys = self.row(row)
         return {"x": xs.astype(np.int64).tolist() if np.all(xs == np.round(xs)) else xs.tolist(), "y": ys.tolist()}
-
-
-def line_predict(xs: np.ndarray, ys: np.ndarray, x: float, scale_floor: float) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`~stability.detectors._stats.predict_line` for each row of ``[rows x n]`` windows (``n >= 2``, at
-    least ``min_points``): the robust line's level at ``x`` and the residual scale, per row, bit-identical to the
-    one-row function (same order statistics, same elementwise operations)."""
-    half = xs.shape[1] // 2
-    dx = xs[:, half : 2 * half] - xs[:, :half]
-    slope = row_median((ys[:, half : 2 * half] - ys[:, :half]) / dx)
-    last = xs[:, -1]
-    level = row_median(ys - slope[:, None] * (xs - last[:, None]))
-    residuals = ys - (level[:, None] + slope[:, None] * (xs - last[:, None]))
-    scale = np.maximum(MAD_TO_SIGMA * row_median(np.abs(residuals - row_median(residuals)[:, None])), scale_floor)
-    return level + slope * (x - last), scale

@@ -39,12 +39,12 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._modules import Rings, Schema, layout, log_list
+from stability.detectors._modules import VECTOR_MIN, Rings, Schema, layout, log_list
 from stability.detectors._stats import Window, mad_scale, median, robust_line, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.detectors.divergence import mann_kendall_z
 from stability.detectors.history import LrTracker
-from stability.records import StepRecord
+from stability.records import StepRecord, split_signal
 
 __all__ = ["GrowthConfig", "GrowthDetector", "GROWTH_KINDS"]
 
@@ -93,8 +93,8 @@ class _RowWindow:
         return len(self.y)
 
 
-class GrowthDetector:
-    """Streaming growth detector for one rank (see the module docstring).
+class _VectorGrowth:
+    """The vectorised implementation of :class:`GrowthDetector` (records with many series).
 
     Vectorised (issue #14 item 8): the windows of all its series are rows of one :class:`~._modules.Rings`, and
     the exact shortcut of :meth:`_judge` (no span can rise ``growth`` when 3x the window's range is under it) is
@@ -103,8 +103,8 @@ class GrowthDetector:
 
     name = "growth"
 
-    def __init__(self, config: GrowthConfig | None = None) -> None:
-        self.config = config or GrowthConfig()
+    def __init__(self, config: GrowthConfig) -> None:
+        self.config = config
         self._lr = LrTracker()
         self._loss = Window(self.config.window)
         """Log losses of the records that carry a growth series (to tell learning from trouble)."""
@@ -355,3 +355,137 @@ class GrowthDetector:
         self._lr.load_state_dict(state["lr"])
         if "loss" in state:
             self._loss.load_state_dict(state["loss"])
+
+
+class _Series:
+    def __init__(self, window: int) -> None:
+        self.win = Window(window)
+        self.fired = False
+        self.quiet = 0
+
+
+class _ScalarGrowth(_VectorGrowth):
+    """The per-value implementation of :class:`GrowthDetector` (a Python loop over a record's series: the faster
+    one for records with few of them); the same judging methods and state format as the vectorised one."""
+
+    def __init__(self, config: GrowthConfig) -> None:
+        super().__init__(config)
+        self._series: dict[str, _Series] = {}
+
+    def update(self, record: StepRecord) -> list[Finding]:
+        """Consume one record."""
+        cfg = self.config
+        self._lr.update(record.step, record.get("lr"))
+        warming = self._lr.in_warmup(record.step, cfg.warmup_gate)
+        loss = record.get("loss")
+        if loss > 0 and math.isfinite(loss) and any(split_signal(n)[0] in GROWTH_KINDS for n in record.signals):
+            self._loss.push(record.step, math.log(loss))
+        best: dict[str, tuple[float, Finding]] = {}
+        count: dict[str, int] = {}
+        for name, value in record.signals.items():
+            quantity, _ = split_signal(name)
+            kind = GROWTH_KINDS.get(quantity)
+            series = None if kind is None else self._push(name, quantity, record.step, value)
+            if kind is None or series is None or len(series.win) < cfg.mid_window:
+                continue
+            hit = self._judge(name, quantity, value, series.win)
+            if hit is LEARNING:  # growing, but with the loss improving: neither an alarm nor quiet
+                continue
+            if hit is None:
+                series.quiet += 1
+                if series.quiet >= cfg.window:
+                    series.fired = False
+                continue
+            series.quiet = 0
+            if series.fired or warming:
+                continue
+            series.fired = True
+            rise, message, evidence = hit
+            count[kind] = count.get(kind, 0) + 1
+            finding = Finding(kind=kind, step=record.step, onset=int(evidence.pop("onset")), severity=Severity.WARNING,
+                              signal=name, value=value, message=message, detector=self.name, rank=record.rank,
+                              host=record.host, score=rise, evidence=evidence)
+            if kind not in best or rise > best[kind][0]:
+                best[kind] = (rise, finding)
+        out = []
+        for kind, (_, finding) in sorted(best.items()):
+            if count[kind] > 1:
+                finding = dataclasses.replace(finding, message=finding.message +
+                                              f" ({count[kind] - 1} more series of the same kind grow too)")
+            out.append(finding)
+        return out
+
+    def _push(self, name: str, quantity: str, step: int, value: float) -> _Series | None:
+        """Add a value to its series (None when it cannot be used or too many series are tracked)."""
+        if not math.isfinite(value) or (quantity != "logit_z" and value <= 0):
+            return None
+        series = self._series.get(name)
+        if series is None:
+            if len(self._series) >= self.config.max_series:
+                return None
+            series = self._series[name] = _Series(self.config.window)
+        series.win.push(step, value if quantity == "logit_z" else math.log(value))
+        return series
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state."""
+        return {"series": {k: {"win": s.win.state_dict(), "fired": s.fired, "quiet": s.quiet}
+                           for k, s in self._series.items()}, "lr": self._lr.state_dict(),
+                "loss": self._loss.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._series = {}
+        for name, s in state["series"].items():
+            series = self._series[name] = _Series(self.config.window)
+            series.win.load_state_dict(s["win"])
+            series.fired, series.quiet = bool(s["fired"]), int(s["quiet"])
+        self._lr.load_state_dict(state["lr"])
+        if "loss" in state:
+            self._loss.load_state_dict(state["loss"])
+
+
+class GrowthDetector:
+    """Streaming growth detector for one rank (see the module docstring).
+
+    Records with at least :data:`~._modules.VECTOR_MIN` growth series go through the vectorised implementation,
+    records with fewer through the per-value loop (cheaper for a handful); the detector moves its state from one
+    to the other (same format) when a record's layout crosses that size, which changes no decision.
+    """
+
+    name = "growth"
+
+    def __init__(self, config: GrowthConfig | None = None) -> None:
+        self.config = config or GrowthConfig()
+        self._impl: _VectorGrowth = _ScalarGrowth(self.config)
+        self._wide: dict[Schema, bool | None] = {}
+
+    def update(self, record: StepRecord) -> list[Finding]:
+        """Consume one record."""
+        schema, _ = layout(record)
+        wide = self._wide[schema] if schema in self._wide else self._size(schema)
+        if wide is not None and wide == isinstance(self._impl, _ScalarGrowth):
+            impl = _VectorGrowth(self.config) if wide else _ScalarGrowth(self.config)
+            impl.load_state_dict(self._impl.state_dict())
+            self._impl = impl
+        return self._impl.update(record)
+
+    def _size(self, schema: Schema) -> bool | None:
+        """Whether a layout is for the vectorised implementation (None: it has no series, either will do)."""
+        n = sum(len(schema.by_quantity.get(q, ())) for q in GROWTH_KINDS)
+        if len(self._wide) >= 64:
+            self._wide.clear()
+        wide = self._wide[schema] = None if n == 0 else n >= VECTOR_MIN
+        return wide
+
+    def finish(self) -> list[Finding]:
+        """Nothing to flush."""
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state (one format for both implementations)."""
+        return self._impl.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._impl.load_state_dict(state)

@@ -57,17 +57,14 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._modules import Rings, Schema, layout, line_predict, log_list
-from stability.detectors._stats import median, predict_line, safe_exp
+from stability.detectors._rolling import FastBaseline, level_lower_bound
+from stability.detectors._stats import median, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.detectors.history import LrTracker
 from stability.records import StepRecord, split_signal
 
 MAX_SERIES = 512
 """Series with an own baseline (per rank)."""
-
-_MARGIN = 1e-9
-"""Slack (log units) under a threshold within which a value is decided on scalars (``math.exp``, as before)."""
 
 __all__ = ["EMBEDDING_MODULE", "LAYER_GRAD", "UPDATE_RATIO", "AdamLagConfig",
            "AdamLagDetector", "LayerJumpConfig", "LayerJumpDetector"]
@@ -111,26 +108,26 @@ LAYER_GRAD = LayerJumpConfig(quantity="grad_norm", kind="grad_explosion", name="
 """Per-layer gradient explosions: a layer's ``grad_norm/<module>`` 20x over its own level (clean corpus: 1.6x)."""
 
 
-class LayerJumpDetector:
-    """Streaming per-layer jump detector for one rank (see the module docstring).
+class _Series:
+    def __init__(self, cfg: LayerJumpConfig) -> None:
+        self.base = FastBaseline(window=cfg.window, min_points=cfg.min_points, scale_floor=cfg.scale_floor)
+        """``_stats.Baseline``'s robust line, with its points also sorted: a cheap bound of its prediction."""
+        self.quiet = 0
 
-    Vectorised (issue #14 item 8): the windows of all its series are rows of one :class:`~._modules.Rings`, a
-    record's values are mapped to rows once per signal layout, and each record's robust lines are fitted for all
-    its series at once (:func:`~._modules.line_predict`, bit-identical to ``_stats.predict_line`` per series);
-    only the values at or near the jump threshold are decided one by one, with the scalar code's exps.
-    """
+    def surely_below(self, x: float, y: float, log_factor: float) -> bool:
+        """``y`` is less than ``log_factor`` over the baseline's prediction at ``x``, proven without fitting it
+        (:func:`~stability.detectors._rolling.level_lower_bound`); False also when it cannot be proven."""
+        return y - level_lower_bound(self.base, x) < log_factor
+
+
+class LayerJumpDetector:
+    """Streaming per-layer jump detector for one rank (see the module docstring)."""
 
     def __init__(self, config: LayerJumpConfig | None = None) -> None:
         self.config = config or UPDATE_RATIO
         self.name = self.config.name
         self.kind = self.config.kind
-        self._rings = Rings(self.config.window)
-        self._names: list[str] = []
-        """Row -> series name, in order of creation."""
-        self._rows: dict[str, int] = {}
-        self._quiet = np.zeros(0, dtype=np.int64)
-        self._plans: dict[Schema, tuple[np.ndarray, list[str], np.ndarray]] = {}
-        """Signal layout -> (positions of this detector's series, their names, their rows or -1)."""
+        self._series: dict[str, _Series] = {}
         self._lr = LrTracker()
         self._pending: dict[str, Any] | None = None
         """A jump waiting for its series' next record (``confirm``): step, rank, host, jumps, levels."""
@@ -149,9 +146,8 @@ class LayerJumpDetector:
         pending = self._pending
         assert pending is not None
         levels = pending["levels"]
-        signals = record.signals
-        now = {n: safe_exp(math.log(v) - level) for n, level in levels.items()
-               if (v := signals.get(n)) is not None and v > 0 and math.isfinite(v)}
+        now = {n: safe_exp(math.log(v) - levels[n]) for n, v in record.signals.items()
+               if n in levels and v > 0 and math.isfinite(v)}
         if not now:
             if record.step - pending["step"] <= self.config.max_wait:
                 return []
@@ -186,142 +182,48 @@ class LayerJumpDetector:
                        value=value, message=message, detector=self.name, rank=found["rank"], host=found["host"],
                        end=end, score=ratio, evidence=evidence)
 
-    def _plan(self, schema: Schema) -> tuple[np.ndarray, list[str], np.ndarray]:
-        """This detector's series in a signal layout: positions, names, rows (-1: no row yet)."""
-        plan = self._plans.get(schema)
-        if plan is None:
-            cfg = self.config
-            pos = [i for i in schema.by_quantity.get(cfg.quantity, ())
-                   if not (cfg.modules_only and schema.modules[i] is None)]
-            names = [schema.names[i] for i in pos]
-            rows = np.array([self._rows.get(n, -1) for n in names], dtype=np.int64)
-            if len(self._plans) >= 64:
-                self._plans.clear()
-            plan = self._plans[schema] = (np.array(pos, dtype=np.int64), names, rows)
-        return plan
-
-    def _add_series(self, name: str) -> int:
-        """A row for a new series, or -1 when ``max_series`` are tracked."""
-        if len(self._names) >= self.config.max_series:
-            return -1
-        row = self._rows[name] = self._rings.add_row()
-        self._names.append(name)
-        if len(self._quiet) < len(self._rings.count):
-            self._quiet = np.resize(self._quiet, len(self._rings.count))
-        self._quiet[row] = 0
-        return row
-
-    def _rows_for(self, names: list[str], rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
-        """The rows of the selected series, creating the missing ones in record order (``max_series``); a series
-        without a row (over the limit) is left out (-1 filtered by the caller)."""
-        for i in sel[rows[sel] < 0].tolist():
-            row = self._rows.get(names[i], -1)
-            rows[i] = row if row >= 0 else self._add_series(names[i])
-        out: np.ndarray = rows[sel]
-        return out
-
     def _jumps(self, record: StepRecord) -> dict[str, Any] | None:
         """This record's jumps, or ``None``."""
         cfg = self.config
         self._lr.update(record.step, record.get("lr"))
         warming = self._lr.in_warmup(record.step, cfg.warmup_gate)
         shift = self._lr_unit(record.get("lr")) if cfg.per_lr else 0.0
-        schema, all_values = layout(record)
-        pos, names, plan_rows = self._plan(schema)
-        if not len(pos):
-            return None
-        values = all_values[pos]
-        sel = np.flatnonzero((values > 0) & np.isfinite(values))
-        rows = self._rows_for(names, plan_rows, sel)
-        if (rows < 0).any():
-            sel, rows = sel[rows >= 0], rows[rows >= 0]
-        if not len(sel):
-            return None
-        y = log_list(values[sel]) - shift
-        step = record.step
-        count = self._rings.count[rows]
-        accept, jumped = self._judge(rows, y, count, step)
-        quiet = self._quiet
-        ok_rows = rows[accept]
-        self._rings.push(ok_rows, float(step), y[accept])
-        counted = ok_rows[count[accept] >= cfg.min_points]
-        quiet[counted] = np.maximum(quiet[counted] - 1, 0)
-        if not jumped:
-            return None
         jumps: list[tuple[float, str, float, float, float]] = []
-        levels_out: dict[str, float] = {}
-        for i, level, z in sorted(jumped):
-            row = int(rows[i])
-            if quiet[row] == 0 and not warming:
-                name = names[int(sel[i])]
-                yi = float(y[i])
-                jumps.append((safe_exp(yi - level), name, record.signals[name], safe_exp(level + shift), z))
-                levels_out[name] = level + shift
-            quiet[row] = cfg.cooldown
+        levels: dict[str, float] = {}
+        log_factor = math.log(cfg.factor)
+        for name, value in record.signals.items():
+            quantity, module = split_signal(name)
+            if quantity != cfg.quantity or (cfg.modules_only and module is None):
+                continue
+            if not (value > 0 and math.isfinite(value)):
+                continue
+            series = self._series.get(name)
+            if series is None:
+                if len(self._series) >= cfg.max_series:
+                    continue
+                series = self._series[name] = _Series(cfg)
+            y = math.log(value) - shift
+            if len(series.base) < cfg.min_points:
+                series.base.accept(record.step, y)
+                continue
+            if series.surely_below(record.step, y, log_factor):  # the common case: no line fit needed
+                series.base.accept(record.step, y)
+                series.quiet = max(0, series.quiet - 1)
+                continue
+            pred = series.base.predict(record.step)
+            ratio, z = safe_exp(y - pred.level), pred.z(y)
+            if ratio < cfg.factor or z < cfg.z_threshold:
+                series.base.accept(record.step, y)
+                series.quiet = max(0, series.quiet - 1)
+                continue
+            if series.quiet == 0 and not warming:
+                jumps.append((ratio, name, value, safe_exp(pred.level + shift), z))
+                levels[name] = pred.level + shift
+            series.quiet = cfg.cooldown
         if not jumps:
             return None
         return {"step": record.step, "rank": record.rank, "host": record.host, "jumps": [list(j) for j in jumps],
-                "levels": levels_out}
-
-    def _judge(self, rows: np.ndarray, y: np.ndarray, count: np.ndarray,
-               step: int) -> tuple[np.ndarray, list[tuple[int, float, float]]]:
-        """Which values to accept into their baselines, and the (index, predicted level, z) of those that jumped:
-        every row's line bound at once, the full fit for the rows the bound does not clear, and a scalar decision
-        for the values at the threshold."""
-        cfg = self.config
-        accept = np.ones(len(rows), dtype=bool)
-        judged = np.flatnonzero(count >= cfg.min_points)
-        jumped: list[tuple[int, float, float]] = []
-        log_factor = math.log(cfg.factor)
-        counts = count[judged]
-        groups = [] if not len(judged) else [int(counts[0])] if counts.min() == counts.max() else np.unique(
-            counts).tolist()
-        for n in groups:
-            idx = judged if len(groups) == 1 else judged[counts == n]
-            xs, ys = self._rings.slab(int(n))
-            if not _is_range(rows[idx], self._rings.rows):
-                xs, ys = xs[rows[idx]], ys[rows[idx]]
-            idx = idx[~self._surely_below(xs, ys, y[idx], float(step), log_factor)]
-            if not len(idx):
-                continue
-            if len(idx) < len(xs):
-                xs, ys = self._rings.slab(int(n))
-                xs, ys = xs[rows[idx]], ys[rows[idx]]
-            levels, scales = self._predict(xs, ys, step)
-            d = y[idx] - levels
-            with np.errstate(invalid="ignore", divide="ignore"):
-                z = d / scales
-            near = ~((d < log_factor - _MARGIN) | (z < cfg.z_threshold))
-            for k in np.flatnonzero(near).tolist():
-                ratio, zk = safe_exp(float(d[k])), float(z[k])
-                if not (ratio < cfg.factor or zk < cfg.z_threshold):
-                    accept[idx[k]] = False
-                    jumped.append((int(idx[k]), float(levels[k]), zk))
-        return accept, jumped
-
-    @staticmethod
-    def _surely_below(xs: np.ndarray, ys: np.ndarray, y: np.ndarray, x: float, log_factor: float) -> np.ndarray:
-        """Per row: ``y`` is less than ``log_factor`` over the robust line's prediction at ``x``, proven without
-        fitting it (:func:`~stability.detectors._rolling.level_lower_bound` for all rows at once: the median plus
-        the steepest possible fall; x strictly increasing by >= 1 and ``x`` past the window, else not proven)."""
-        n = xs.shape[1]
-        if n < 2:
-            return np.zeros(len(xs), dtype=bool)
-        s = np.sort(ys, axis=1)
-        bound = (0.5 * (s[:, (n - 1) // 2] + s[:, n // 2]) + (s[:, 0] - s[:, -1]) / (n // 2) * (x - xs[:, 0])) - _MARGIN
-        regular = ((xs[:, 1:] - xs[:, :-1]).min(axis=1) >= 1.0) & (x >= xs[:, -1]) & np.isfinite(s[:, -1])
-        out: np.ndarray = regular & (y - bound < log_factor)
-        return out
-
-    def _predict(self, xs: np.ndarray, ys: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """The robust line's level at ``step`` and its scale for each row of the windows ``xs``, ``ys``."""
-        cfg = self.config
-        if xs.shape[1] >= 2:
-            with np.errstate(invalid="ignore", divide="ignore"):
-                return line_predict(xs, ys, float(step), cfg.scale_floor)
-        preds = [predict_line(xs[k], ys[k], step, min_points=cfg.min_points, scale_floor=cfg.scale_floor)
-                 for k in range(len(xs))]
-        return np.array([p.level for p in preds]), np.array([p.scale for p in preds])
+                "levels": levels}
 
     def _lr_unit(self, lr: float) -> float:
         """log of the LR that explains this record's step size: the logged LR while it follows its schedule,
@@ -339,29 +241,19 @@ class LayerJumpDetector:
         return [self._finding(pending, Severity.WARNING, pending["step"], unconfirmed=True)]
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-data state (the per-series format of the per-value implementation)."""
-        return {"series": {n: {"base": self._rings.row_state(r), "quiet": int(self._quiet[r])}
-                           for r, n in enumerate(self._names)},
+        """Plain-data state."""
+        return {"series": {n: {"base": s.base.state_dict(), "quiet": s.quiet} for n, s in self._series.items()},
                 "lr": self._lr.state_dict(), "pending": self._pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
-        self._rings = Rings(self.config.window)
-        self._names, self._rows, self._plans = [], {}, {}
-        self._quiet = np.zeros(0, dtype=np.int64)
+        self._series = {}
         for name, st in state["series"].items():
-            row = self._add_series(str(name))
-            if row < 0:
-                break
-            self._rings.load_row(row, st["base"]["x"], st["base"]["y"])
-            self._quiet[row] = int(st["quiet"])
+            series = self._series[name] = _Series(self.config)
+            series.base.load_state_dict(st["base"])
+            series.quiet = int(st["quiet"])
         self._lr.load_state_dict(state["lr"])
         self._pending = state.get("pending")
-
-
-def _is_range(rows: np.ndarray, n: int) -> bool:
-    """``rows`` is ``0, 1, ..., n - 1`` (a slab of all rows is then already in their order)."""
-    return len(rows) == n and (n == 0 or (rows[0] == 0 and rows[-1] == n - 1 and bool((np.diff(rows) == 1).all())))
 
 
 EMBEDDING_MODULE = re.compile(r"(^|[._])(wte|wpe|embed\w*|embedding\w*|\w*_emb|emb|encoder|tok\w*)$", re.IGNORECASE)
@@ -400,13 +292,7 @@ class AdamLagConfig:
 
 
 class AdamLagDetector:
-    """Streaming Adam second-moment lag detector for one rank (see the module docstring).
-
-    Vectorised (issue #14 item 8): a module's own baseline (its last ``own_window`` values that raised no alarm)
-    is a row of one :class:`~._modules.Rings`, peaks and cooldowns are arrays, and a record's ``adam_v_ratio``
-    values are compared, counted down and appended with a few numpy operations; a module's threshold is computed
-    (from its row, as before) only for a value at or above ``min(lag, sparse_lag)``, which no threshold is under.
-    """
+    """Streaming Adam second-moment lag detector for one rank (see the module docstring)."""
 
     name = "adam_lag"
     kind = "adam_v_lag"
@@ -415,44 +301,10 @@ class AdamLagDetector:
         self.config = config or AdamLagConfig()
         self._lr = LrTracker()
         self._losses: deque[float] = deque(maxlen=self.config.loss_window)
-        self._reset()
-
-    def _reset(self) -> None:
-        self._idx: dict[str, int] = {}
-        self._names: list[str] = []
-        """Index -> series name (every ``adam_v_ratio`` series seen, in order)."""
-        self._quiet = np.zeros(0, dtype=np.int64)
-        self._in_quiet = np.zeros(0, dtype=bool)
-        """The series has a cooldown entry (it alarmed once): kept in the state as the per-value code did."""
-        self._row = np.zeros(0, dtype=np.int64)
-        """Index -> its row of own values (created with its first value that raised no alarm), or -1."""
-        self._peak = np.zeros(0)
-        self._rings = Rings(self.config.own_window)
-        self._row_names: list[str] = []
-        self._plans: dict[Schema, tuple[np.ndarray, list[str], np.ndarray]] = {}
-
-    def _index(self, name: str) -> int:
-        idx = self._idx.get(name)
-        if idx is None:
-            idx = self._idx[name] = len(self._names)
-            self._names.append(name)
-            if idx >= len(self._quiet):
-                cap = max(16, 2 * idx)
-                self._quiet, self._in_quiet = np.resize(self._quiet, cap), np.resize(self._in_quiet, cap)
-                self._row, self._peak = np.resize(self._row, cap), np.resize(self._peak, cap)
-            self._quiet[idx], self._in_quiet[idx], self._row[idx], self._peak[idx] = 0, False, -1, 0.0
-        return idx
-
-    def _plan(self, schema: Schema) -> tuple[np.ndarray, list[str], np.ndarray]:
-        plan = self._plans.get(schema)
-        if plan is None:
-            pos = schema.by_quantity.get("adam_v_ratio", [])
-            names = [schema.names[i] for i in pos]
-            if len(self._plans) >= 64:
-                self._plans.clear()
-            plan = self._plans[schema] = (np.array(pos, dtype=np.int64), names,
-                                          np.array([self._index(n) for n in names], dtype=np.int64))
-        return plan
+        self._quiet: dict[str, int] = {}
+        self._own: dict[str, deque[float]] = {}
+        self._peak: dict[str, float] = {}
+        """series -> its recent values that raised no alarm (its own baseline)."""
 
     def _threshold(self, name: str) -> float:
         """The lag that alarms on ``name``: ``lag``, or more for a module whose own baseline is heavy-tailed or
@@ -461,16 +313,14 @@ class AdamLagDetector:
         records: an MoE expert no token was routed to; or an embedding by name); an embedding whose own history is
         still too short: never."""
         cfg = self.config
-        idx = self._idx.get(name)
-        row = -1 if idx is None else int(self._row[idx])
+        own = self._own.get(name)
         sparse = EMBEDDING_MODULE.search(split_signal(name)[1] or "") is not None
-        if row < 0 or self._rings.count[row] < cfg.own_min_points:
+        if own is None or len(own) < cfg.own_min_points:
             return math.inf if sparse else cfg.lag
-        values = self._rings.row(row)[1]
+        values = np.fromiter(own, dtype=np.float64)
         positive = values[values > 0]
         sparse = sparse or len(positive) <= (1.0 - cfg.sparse_zeros) * len(values)
-        assert idx is not None
-        threshold = max(cfg.sparse_lag if sparse else cfg.lag, cfg.tail_factor * float(self._peak[idx]))
+        threshold = max(cfg.sparse_lag if sparse else cfg.lag, cfg.tail_factor * self._peak.get(name, 0.0))
         if len(positive) >= cfg.own_min_points:
             logs = np.log(positive)
             center = median(logs)
@@ -483,10 +333,19 @@ class AdamLagDetector:
         cfg = self.config
         self._lr.update(record.step, record.get("lr"))
         lags = []
-        schema, all_values = layout(record)
-        pos, names, plan_idx = self._plan(schema)
-        if len(pos):
-            lags = self._lags(record, all_values[pos], names, plan_idx)
+        least = min(cfg.lag, cfg.sparse_lag)  # no threshold is lower: a value under it needs none computed
+        for name, value in record.signals.items():
+            if split_signal(name)[0] != "adam_v_ratio" or not math.isfinite(value):
+                continue
+            quiet = self._quiet.get(name, 0)
+            threshold = self._threshold(name) if value >= least else math.inf
+            if value >= threshold and quiet == 0:
+                lags.append((value, name))
+            if value >= threshold or quiet:
+                self._quiet[name] = cfg.cooldown if value >= threshold else quiet - 1
+            if value < threshold and (name in self._own or len(self._own) < MAX_SERIES):
+                self._own.setdefault(name, deque(maxlen=cfg.own_window)).append(value)
+                self._peak[name] = max(self._peak.get(name, 0.0) * 0.5 ** (1.0 / cfg.peak_half_life), value)
         alarm = bool(lags) and not self._lr.in_warmup(record.step, cfg.warmup_gate)
         loss = record.get("loss")
         typical = median(np.fromiter(self._losses, dtype=np.float64)) if alarm and self._losses else math.nan
@@ -507,60 +366,20 @@ class AdamLagDetector:
                         message=message, detector=self.name, rank=record.rank, host=record.host, score=value,
                         evidence={"lag": value, "layers": float(len(lags))})]
 
-    def _lags(self, record: StepRecord, values: np.ndarray, names: list[str],
-              plan_idx: np.ndarray) -> list[tuple[float, str]]:
-        """Judge, count down and append this record's values; the (value, name) of the modules that lag."""
-        cfg = self.config
-        sel = np.flatnonzero(np.isfinite(values))
-        v, idx = values[sel], plan_idx[sel]
-        threshold = np.full(len(sel), math.inf)
-        for k in np.flatnonzero(v >= min(cfg.lag, cfg.sparse_lag)).tolist():
-            threshold[k] = self._threshold(names[int(sel[k])])
-        hit = v >= threshold
-        quiet = self._quiet[idx]
-        lags = [(record.signals[names[int(sel[k])]], names[int(sel[k])])
-                for k in np.flatnonzero(hit & (quiet == 0)).tolist()]
-        self._in_quiet[idx] |= hit | (quiet > 0)
-        self._quiet[idx] = np.where(hit, cfg.cooldown, np.where(quiet > 0, quiet - 1, quiet))
-        keep = np.flatnonzero(~hit)
-        rows = self._row[idx[keep]]
-        for k in np.flatnonzero(rows < 0).tolist():
-            if len(self._row_names) < MAX_SERIES:
-                i = int(idx[keep[k]])
-                rows[k] = self._row[i] = self._rings.add_row()
-                self._row_names.append(self._names[i])
-        if (rows < 0).any():
-            keep, rows = keep[rows >= 0], rows[rows >= 0]
-        order = np.argsort(rows, kind="stable")
-        self._rings.push(rows[order], float(record.step), v[keep][order])
-        kept = idx[keep]
-        self._peak[kept] = np.maximum(self._peak[kept] * 0.5 ** (1.0 / cfg.peak_half_life), v[keep])
-        return lags
-
     def finish(self) -> list[Finding]:
         """Nothing to flush."""
         return []
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-data state (the per-series format of the per-value implementation)."""
-        by_row = {int(self._row[self._idx[n]]): n for n in self._row_names}
-        return {"lr": self._lr.state_dict(), "losses": list(self._losses),
-                "quiet": {n: int(self._quiet[i]) for i, n in enumerate(self._names) if self._in_quiet[i]},
-                "own": {by_row[r]: self._rings.row(r)[1].tolist() for r in range(len(self._row_names))},
-                "peak": {n: float(self._peak[self._idx[n]]) for n in self._row_names}}
+        """Plain-data state."""
+        return {"lr": self._lr.state_dict(), "losses": list(self._losses), "quiet": dict(self._quiet),
+                "own": {k: list(v) for k, v in self._own.items()}, "peak": dict(self._peak)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self._lr.load_state_dict(state["lr"])
         self._losses = deque((float(v) for v in state["losses"]), maxlen=self.config.loss_window)
-        self._reset()
-        for name, q in state["quiet"].items():
-            i = self._index(str(name))
-            self._quiet[i], self._in_quiet[i] = int(q), True
-        peaks = state.get("peak", {})
-        for name, own in state.get("own", {}).items():
-            i = self._index(str(name))
-            row = self._row[i] = self._rings.add_row()
-            self._row_names.append(str(name))
-            self._rings.load_row(row, [0.0] * len(own), own)
-            self._peak[i] = float(peaks.get(name, 0.0))
+        self._quiet = {str(k): int(v) for k, v in state["quiet"].items()}
+        self._own = {str(k): deque((float(x) for x in v), maxlen=self.config.own_window)
+                     for k, v in state.get("own", {}).items()}
+        self._peak = {str(k): float(v) for k, v in state.get("peak", {}).items()}

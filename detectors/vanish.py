@@ -24,15 +24,15 @@ other. Defaults are set for **0 false alarms per 10k steps** on the clean baseli
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from stability.detectors._modules import Rings, Schema, layout, log_list, row_median
+from stability.detectors._modules import VECTOR_MIN, Rings, Schema, layout, log_list, row_median
 from stability.detectors._stats import median, safe_exp
+from stability.detectors._vanish_scalar import ScalarVanishing, one_per_rule
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord, split_signal
 
@@ -86,8 +86,8 @@ class _Plan:
         """(name, kind, index) of the history and frozen series in name order: the order they are created in."""
 
 
-class GradVanishingDetector:
-    """Streaming vanishing-gradient detector for one rank (see the module docstring).
+class _VectorVanishing:
+    """The vectorised implementation of :class:`GradVanishingDetector` (records with many series).
 
     Vectorised (issue #14 item 8): the reference windows of the gradient-norm series are rows of one
     :class:`~._modules.Rings` (their medians one sort per record), the run lengths of every rule are arrays, and
@@ -97,8 +97,8 @@ class GradVanishingDetector:
     name = "vanish"
     kind = "grad_vanishing"
 
-    def __init__(self, config: VanishConfig | None = None) -> None:
-        self.config = config or VanishConfig()
+    def __init__(self, config: VanishConfig) -> None:
+        self.config = config
         self._lr_peak = 0.0
         self._reset()
 
@@ -169,11 +169,11 @@ class GradVanishingDetector:
                     record, name, int(self._onset[key]), value,
                     f"{name} = {value:.3g} < {cfg.min_update_ratio:g}: the layer no longer moves for "
                     f"{int(self._low[key])} records", {"ratio": value})))
-        out = _one_per_rule([f for _, f in sorted(found, key=lambda item: item[0])])
+        out = one_per_rule([f for _, f in sorted(found, key=lambda item: item[0])])
         modules = plan.grad_is_module[g_ok]
         if int(modules.sum()) >= cfg.min_layers:
             out += self._layer_rule(record, plan, g_ok[modules], y[modules])
-        return _one_per_rule(out)
+        return one_per_rule(out)
 
     def _create(self, plan: _Plan, grads: set[int], urs: set[int]) -> None:
         """Create the missing series of this record's usable values, in the order the rules meet them."""
@@ -312,17 +312,49 @@ class GradVanishingDetector:
         self._lr_peak = float(state["lr_peak"])
 
 
-def _one_per_rule(found: list[Finding]) -> list[Finding]:
-    """At most one finding per quantity and record (the most extreme layer, naming how many more): no storm."""
-    best: dict[str, tuple[Finding, int]] = {}
-    for finding in found:
-        key = split_signal(finding.signal)[0] + ("/" if "/" in finding.signal else "")
-        kept = best.get(key)
-        if kept is None:
-            best[key] = (finding, 1)
-        else:
-            extreme = finding if finding.score > kept[0].score or (
-                finding.score == kept[0].score and finding.value < kept[0].value) else kept[0]
-            best[key] = (extreme, kept[1] + 1)
-    return [f if n == 1 else dataclasses.replace(f, message=f"{f.message} ({n - 1} more layers too)")
-            for f, n in best.values()]
+class GradVanishingDetector:
+    """Streaming vanishing-gradient detector for one rank (see the module docstring).
+
+    Records with at least :data:`~._modules.VECTOR_MIN` gradient-norm / update-ratio series go through the
+    vectorised rules, records with fewer through the per-value loop (:mod:`~._vanish_scalar`, cheaper for a
+    handful); the detector moves its state from one to the other (same format) when a record's layout crosses
+    that size, which changes no decision.
+    """
+
+    name = "vanish"
+    kind = "grad_vanishing"
+
+    def __init__(self, config: VanishConfig | None = None) -> None:
+        self.config = config or VanishConfig()
+        self._impl: _VectorVanishing | ScalarVanishing = ScalarVanishing(self.config)
+        self._wide: dict[Schema, bool | None] = {}
+
+    def update(self, record: StepRecord) -> list[Finding]:
+        """Consume one record."""
+        schema, _ = layout(record)
+        wide = self._wide[schema] if schema in self._wide else self._size(schema)
+        if wide is not None and wide != isinstance(self._impl, _VectorVanishing):
+            impl = _VectorVanishing(self.config) if wide else ScalarVanishing(self.config)
+            impl.load_state_dict(self._impl.state_dict())
+            self._impl = impl
+        return self._impl.update(record)
+
+    def _size(self, schema: Schema) -> bool | None:
+        """Whether a layout is for the vectorised rules (None: it has no series, either will do)."""
+        n = len(schema.by_quantity.get("grad_norm", ())) + len(schema.by_quantity.get("update_ratio", ()))
+        if len(self._wide) >= 64:
+            self._wide.clear()
+        wide = self._wide[schema] = None if n == 0 else n >= VECTOR_MIN
+        return wide
+
+    def finish(self) -> list[Finding]:
+        """Nothing to flush."""
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state (one format for both implementations)."""
+        return self._impl.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._impl.load_state_dict(state)

@@ -1,4 +1,4 @@
-"""The vectorised per-module detectors (``detectors/_modules.py``; ``update.py``, ``vanish.py``, ``growth.py``) decide
+"""The vectorised per-module detectors (``detectors/_modules.py``; ``vanish.py``, ``growth.py``) decide
 exactly as the per-value code they replaced: the record streams of ``tests/_vec_streams.py`` (per-layer jumps,
 vanishing and dead layers, frozen updates, growth, Adam lags, series that appear and vanish, zero / non-finite
 values, a repeated step, sparse statistics, heavy-tailed noise) give the same findings (kind, step, onset, rank,
@@ -14,11 +14,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from stability.detectors import growth, vanish
 from stability.detectors._modules import Rings, row_median
 from stability.detectors._stats import Window, median
 from tests import _vec_streams as vs
 
 REFERENCE = json.loads(vs.FIXTURE.read_text())
+VECTORISED = [d for d in vs.DETECTORS if d.startswith(("vanish", "growth"))]
+"""The configurations of the vectorised detectors (the fixture also holds the per-layer jump and Adam-lag
+detectors' findings: their per-value code with its exact fast paths stayed, being as fast at 40 modules)."""
 STREAMS = dict(vs.streams())
 
 
@@ -30,22 +34,48 @@ def _same(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
 
 @pytest.mark.parametrize("sname", list(STREAMS))
 def test_findings_are_the_reference_findings(sname: str) -> None:
-    for dname, factory in vs.DETECTORS.items():
-        _same(vs.run_detector(factory, STREAMS[sname]), REFERENCE["findings"][f"{sname}:{dname}"])
+    for dname in VECTORISED:
+        _same(vs.run_detector(vs.DETECTORS[dname], STREAMS[sname]), REFERENCE["findings"][f"{sname}:{dname}"])
+
+
+@pytest.mark.parametrize("path", ["vectorised", "per-value"])
+@pytest.mark.parametrize("sname", ["s3-small", "s1"])
+def test_both_paths_give_the_reference_findings(sname: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each implementation alone (whatever the record size; the default switches at ``VECTOR_MIN`` series)."""
+    least = 1 if path == "vectorised" else 10**9
+    monkeypatch.setattr(vanish, "VECTOR_MIN", least)
+    monkeypatch.setattr(growth, "VECTOR_MIN", least)
+    for dname in ("vanish", "vanish_tight", "growth", "growth_tight"):
+        _same(vs.run_detector(vs.DETECTORS[dname], STREAMS[sname]), REFERENCE["findings"][f"{sname}:{dname}"])
+
+
+@pytest.mark.parametrize("dname", ["vanish_tight", "growth_tight"])
+def test_switching_paths_midway_changes_nothing(dname: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout that crosses ``VECTOR_MIN`` moves the state to the other implementation: same findings."""
+    records = STREAMS["s0"]
+    for module in (vanish, growth):
+        monkeypatch.setattr(module, "VECTOR_MIN", 10**9)
+    det = vs.DETECTORS[dname]()
+    got = [vs.describe(f) for rec in records[:150] for f in det.update(rec)]
+    for module in (vanish, growth):
+        monkeypatch.setattr(module, "VECTOR_MIN", 1)
+    det._wide.clear()
+    got += [vs.describe(f) for rec in records[150:] for f in det.update(rec)]
+    assert type(det._impl).__name__.startswith("_Vector")
+    _same(got + [vs.describe(f) for f in det.finish()], REFERENCE["findings"][f"s0:{dname}"])
 
 
 def test_engine_alerts_are_the_reference_alerts() -> None:
-    two = [r for pair in zip(vs.stream(4), [vs._rank(r, 7) for r in vs.stream(5)], strict=False) for r in pair]
-    _same(vs.run_engine(two), REFERENCE["findings"]["engine"])
+    _same(vs.run_engine(vs.engine_stream()), REFERENCE["findings"]["engine"])
 
 
-@pytest.mark.parametrize("dname", list(vs.DETECTORS))
+@pytest.mark.parametrize("dname", VECTORISED)
 def test_a_state_round_trip_changes_nothing(dname: str) -> None:
     records = STREAMS["s0"]
     _same(vs.run_detector(vs.DETECTORS[dname], records, resume_at=250), REFERENCE["findings"][f"s0:{dname}"])
 
 
-@pytest.mark.parametrize("dname", vs.STATE_DETECTORS)
+@pytest.mark.parametrize("dname", [d for d in vs.STATE_DETECTORS if d in VECTORISED])
 def test_a_state_saved_by_the_per_value_code_loads(dname: str) -> None:
     det = vs.DETECTORS[dname]()
     det.load_state_dict(REFERENCE["states"][dname])
