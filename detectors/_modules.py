@@ -24,7 +24,7 @@ import numpy as np
 
 from stability.records import StepRecord, split_signal
 
-__all__ = ["VECTOR_MIN", "Rings", "Schema", "layout", "log_list", "row_median"]
+__all__ = ["VECTOR_MIN", "Rings", "Schema", "layout", "log_list", "row_median", "schema_of"]
 
 VECTOR_MIN = 10
 """Series of a record from which a detector takes its vectorised path (fewer: the per-value loop is cheaper;
@@ -53,20 +53,30 @@ _last: list[Any] = [None, None, None, None]
 """[record, its signals mapping, Schema, values array] of the latest record (several detectors read one record)."""
 
 
-def layout(record: StepRecord) -> tuple[Schema, np.ndarray]:
-    """``record``'s :class:`Schema` and its values as a float64 array in the same order (cached for the latest
-    record: every per-module detector of a rank reads the same record)."""
+def schema_of(record: StepRecord) -> Schema:
+    """``record``'s :class:`Schema` (cached for the latest record: every per-module detector of a rank reads the
+    same record)."""
     signals = record.signals
     if _last[0] is record and _last[1] is signals:
-        return _last[2], _last[3]
+        schema: Schema = _last[2]
+        return schema
     names = tuple(signals)
-    schema = _SCHEMAS.get(names)
+    schema = _SCHEMAS.get(names)  # type: ignore[assignment]
     if schema is None:
         if len(_SCHEMAS) >= _MAX_SCHEMAS:
             _SCHEMAS.clear()
         schema = _SCHEMAS[names] = Schema(names)
-    values = np.fromiter(signals.values(), dtype=np.float64, count=len(names))
-    _last[:] = [record, signals, schema, values]
+    _last[:] = [record, signals, schema, None]
+    return schema
+
+
+def layout(record: StepRecord) -> tuple[Schema, np.ndarray]:
+    """``record``'s :class:`Schema` and its values as a float64 array in the same order (cached as above)."""
+    schema = schema_of(record)
+    values = _last[3]
+    if values is None:
+        signals = record.signals
+        values = _last[3] = np.fromiter(signals.values(), dtype=np.float64, count=len(signals))
     return schema, values
 
 

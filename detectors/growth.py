@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._modules import VECTOR_MIN, Rings, Schema, layout, log_list
+from stability.detectors._modules import VECTOR_MIN, Rings, Schema, layout, log_list, schema_of
 from stability.detectors._stats import Window, mad_scale, median, robust_line, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.detectors.divergence import mann_kendall_z
@@ -462,7 +462,7 @@ class GrowthDetector:
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
-        schema, _ = layout(record)
+        schema = schema_of(record)
         wide = self._wide[schema] if schema in self._wide else self._size(schema)
         if wide is not None and wide == isinstance(self._impl, _ScalarGrowth):
             impl = _VectorGrowth(self.config) if wide else _ScalarGrowth(self.config)

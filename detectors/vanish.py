@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._modules import VECTOR_MIN, Rings, Schema, layout, log_list, row_median
+from stability.detectors._modules import VECTOR_MIN, Rings, Schema, layout, log_list, row_median, schema_of
 from stability.detectors._stats import median, safe_exp
 from stability.detectors._vanish_scalar import ScalarVanishing, one_per_rule
 from stability.detectors.base import Finding, Severity
@@ -331,7 +331,7 @@ class GradVanishingDetector:
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
-        schema, _ = layout(record)
+        schema = schema_of(record)
         wide = self._wide[schema] if schema in self._wide else self._size(schema)
         if wide is not None and wide != isinstance(self._impl, _VectorVanishing):
             impl = _VectorVanishing(self.config) if wide else ScalarVanishing(self.config)
