@@ -34,7 +34,7 @@ measured crossover 9-11 series for the vanishing and growth rules)."""
 class Schema:
     """The parsed name list of a record: each name's quantity and module, in record order."""
 
-    __slots__ = ("by_quantity", "modules", "names", "quantities")
+    __slots__ = ("_series", "by_quantity", "modules", "names", "quantities")
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self.names = names
@@ -45,6 +45,17 @@ class Schema:
         """quantity -> positions of its series (global and per module) in record order."""
         for i, q in enumerate(self.quantities):
             self.by_quantity.setdefault(q, []).append(i)
+        self._series: dict[tuple[str, bool], list[str]] = {}
+
+    def series(self, quantity: str, modules_only: bool = False) -> list[str]:
+        """The names of ``quantity``'s series (only ``<quantity>/<module>`` ones with ``modules_only``), in record
+        order: what a per-value detector loops over instead of every signal of the record."""
+        key = (quantity, modules_only)
+        names = self._series.get(key)
+        if names is None:
+            names = self._series[key] = [self.names[i] for i in self.by_quantity.get(quantity, ())
+                                         if not (modules_only and self.modules[i] is None)]
+        return names
 
 
 _SCHEMAS: dict[tuple[str, ...], Schema] = {}
