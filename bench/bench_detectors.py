@@ -5,7 +5,8 @@
 
 * the vanishing-gradient and growth detectors alone, forced onto their per-value path (the baseline: the code
   these detectors ran before) and onto their vectorised path (``VECTOR_MIN``), and with the default switch;
-* the whole suite (``RunDiagnoser.update``) with each path;
+* the whole suite (``RunDiagnoser.update``) with those two detectors on each path (the rest of the suite is the
+  same code in all three columns);
 * ``records.decode`` of the same records, checking every signal name on every record (as before) and once.
 
 It prints microseconds per record and the ratio to the per-value baseline. The findings of both paths are the same
