@@ -1,12 +1,14 @@
 """Vectorised bookkeeping of the per-module detectors: one record's signal layout parsed once, and the trailing
 windows of all a detector's series in one ``[series x window]`` ring.
 
-A run repeats the same signal names on every record, so :func:`layout` parses a record's names once (a
-:class:`Schema`: each name's quantity and module, the positions of each quantity) and hands back the same object
-for every record with that name list; a detector keys its own plan (which positions it reads, which of its rows
-they are) on that object. :class:`Rings` holds the windows of every series of a detector as rows of two float64
-matrices (x and y) with a write position and a fill count per row, so one record's values are judged and pushed
-by a few numpy operations over all the detector's series instead of a Python loop per value (issue #14 item 8).
+A run repeats the same signal names on every record, so :func:`schema_of` parses a record's names once (a
+:class:`Schema`: each name's quantity and module, the positions and names of each quantity) and hands back the
+same object for every record with that name list; a detector keys its own plan (which positions it reads, which
+of its rows they are) on that object, and a per-value detector loops over :meth:`Schema.series` instead of every
+signal. :class:`Rings` holds the windows of every series of a detector as rows of two float64 matrices (x and y),
+aligned on their newest point, with a fill count per row, so one record's values are judged and pushed by a few
+numpy operations over all the detector's series instead of a Python loop per value (issue #14 item 8). Below
+:data:`VECTOR_MIN` series the numpy calls cost more than the loop: the detectors then keep their per-value code.
 
 Exactness: the detectors built on this compute the same float64 values as the per-value code they replace
 (medians as the same order statistics, the same elementwise ``+ - * /``); logs and exps are taken with
