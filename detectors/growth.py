@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from stability.detectors._modules import VECTOR_MIN, Rings, Schema, layout, log_list, schema_of
 from stability.detectors._stats import Window, mad_scale, median, robust_line, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.detectors.divergence import mann_kendall_z
@@ -80,55 +81,137 @@ LEARNING: tuple[float, str, dict[str, float]] = (0.0, "learning", {})
 """What :meth:`GrowthDetector._judge` returns for a growth the loss's improvement explains."""
 
 
-class _Series:
-    def __init__(self, window: int) -> None:
-        self.win = Window(window)
-        self.fired = False
-        self.quiet = 0
+class _RowWindow:
+    """One series' window as ``_judge`` reads a ``_stats.Window`` (x, y oldest first; its length)."""
+
+    __slots__ = ("x", "y")
+
+    def __init__(self, rings: Rings, row: int) -> None:
+        self.x, self.y = rings.row(row)
+
+    def __len__(self) -> int:
+        return len(self.y)
 
 
-class GrowthDetector:
-    """Streaming growth detector for one rank (see the module docstring)."""
+class _VectorGrowth:
+    """The vectorised implementation of :class:`GrowthDetector` (records with many series).
+
+    Vectorised (issue #14 item 8): the windows of all its series are rows of one :class:`~._modules.Rings`, and
+    the exact shortcut of :meth:`_judge` (no span can rise ``growth`` when 3x the window's range is under it) is
+    taken for all series at once; only the series past it are judged one by one, as before.
+    """
 
     name = "growth"
 
-    def __init__(self, config: GrowthConfig | None = None) -> None:
-        self.config = config or GrowthConfig()
-        self._series: dict[str, _Series] = {}
+    def __init__(self, config: GrowthConfig) -> None:
+        self.config = config
         self._lr = LrTracker()
         self._loss = Window(self.config.window)
         """Log losses of the records that carry a growth series (to tell learning from trouble)."""
+        self._reset()
+
+    def _reset(self) -> None:
+        self._rings = Rings(self.config.window)
+        self._names: list[str] = []
+        """Row -> series name, in order of creation."""
+        self._rows: dict[str, int] = {}
+        self._fired = np.zeros(0, dtype=bool)
+        self._quiet = np.zeros(0, dtype=np.int64)
+        self._plans: dict[Schema, tuple[np.ndarray, list[str], list[str], np.ndarray, np.ndarray]] = {}
+        """Layout -> (positions of growth series, names, quantities, is-logit_z, rows or -1)."""
+
+    def _plan(self, schema: Schema) -> tuple[np.ndarray, list[str], list[str], np.ndarray, np.ndarray]:
+        plan = self._plans.get(schema)
+        if plan is None:
+            pos = [i for i, q in enumerate(schema.quantities) if q in GROWTH_KINDS]
+            names = [schema.names[i] for i in pos]
+            quantities = [schema.quantities[i] for i in pos]
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            plan = self._plans[schema] = (np.array(pos, dtype=np.int64), names, quantities,
+                                          np.array([q == "logit_z" for q in quantities], dtype=bool),
+                                          np.array([self._rows.get(n, -1) for n in names], dtype=np.int64))
+        return plan
+
+    def _add_series(self, name: str) -> int:
+        if len(self._names) >= self.config.max_series:
+            return -1
+        row = self._rows[name] = self._rings.add_row()
+        self._names.append(name)
+        if row >= len(self._fired):
+            self._fired = np.resize(self._fired, len(self._rings.count))
+            self._quiet = np.resize(self._quiet, len(self._rings.count))
+        self._fired[row], self._quiet[row] = False, 0
+        return row
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
         cfg = self.config
         self._lr.update(record.step, record.get("lr"))
         warming = self._lr.in_warmup(record.step, cfg.warmup_gate)
+        schema, all_values = layout(record)
+        pos, names, quantities, is_z, plan_rows = self._plan(schema)
         loss = record.get("loss")
-        if loss > 0 and math.isfinite(loss) and any(split_signal(n)[0] in GROWTH_KINDS for n in record.signals):
+        if loss > 0 and math.isfinite(loss) and len(pos):
             self._loss.push(record.step, math.log(loss))
+        if not len(pos):
+            return []
+        values = all_values[pos]
+        sel = np.flatnonzero(np.isfinite(values) & (is_z | (values > 0)))
+        for i in sel[plan_rows[sel] < 0].tolist():
+            row = self._rows.get(names[i], -1)
+            plan_rows[i] = row if row >= 0 else self._add_series(names[i])
+        sel = sel[plan_rows[sel] >= 0]
+        if not len(sel):
+            return []
+        rows = plan_rows[sel]
+        y = values[sel].copy()
+        logs = ~is_z[sel]
+        y[logs] = log_list(y[logs])
+        order = np.argsort(rows, kind="stable")
+        self._rings.push(rows[order], float(record.step), y[order])
+        count = self._rings.count[rows]
+        judged = np.flatnonzero(count >= cfg.mid_window)
+        if not len(judged):
+            return []
+        needed = np.where(is_z[sel[judged]], cfg.z_drift, math.log(cfg.growth))
+        far = np.zeros(len(judged), dtype=bool)
+        counts = count[judged]
+        for n in ([int(counts[0])] if counts.min() == counts.max() else np.unique(counts).tolist()):
+            sub = np.arange(len(judged)) if counts.min() == counts.max() else np.flatnonzero(counts == n)
+            _, ys = self._rings.slab(int(n))
+            ys = ys[rows[judged[sub]]]
+            far[sub] = 3.0 * (ys.max(axis=1) - ys.min(axis=1)) >= needed[sub]
+        quiet_rows = rows[judged[~far]]  # no growth possible (the exact shortcut of _judge): hit is None
+        self._quiet[quiet_rows] += 1
+        self._fired[quiet_rows[self._quiet[quiet_rows] >= cfg.window]] = False
+        return self._judge_rows(record, warming, judged[far], rows, names, quantities, sel, values)
+
+    def _judge_rows(self, record: StepRecord, warming: bool, far: np.ndarray, rows: np.ndarray, names: list[str],
+                    quantities: list[str], sel: np.ndarray, values: np.ndarray) -> list[Finding]:
+        """Judge the series the range shortcut did not clear, one by one in record order (as before): one finding
+        per kind (the fastest-growing series, with the count)."""
+        cfg = self.config
         best: dict[str, tuple[float, Finding]] = {}
-        count: dict[str, int] = {}
-        for name, value in record.signals.items():
-            quantity, _ = split_signal(name)
-            kind = GROWTH_KINDS.get(quantity)
-            series = None if kind is None else self._push(name, quantity, record.step, value)
-            if kind is None or series is None or len(series.win) < cfg.mid_window:
-                continue
-            hit = self._judge(name, quantity, value, series.win)
+        found: dict[str, int] = {}
+        for i in far.tolist():
+            row, name, quantity = int(rows[i]), names[int(sel[i])], quantities[int(sel[i])]
+            value = float(values[sel[i]])
+            kind = GROWTH_KINDS[quantity]
+            hit = self._judge(name, quantity, value, _RowWindow(self._rings, row))  # type: ignore[arg-type]
             if hit is LEARNING:  # growing, but with the loss improving: neither an alarm nor quiet
                 continue
             if hit is None:
-                series.quiet += 1
-                if series.quiet >= cfg.window:
-                    series.fired = False
+                self._quiet[row] += 1
+                if self._quiet[row] >= cfg.window:
+                    self._fired[row] = False
                 continue
-            series.quiet = 0
-            if series.fired or warming:
+            self._quiet[row] = 0
+            if self._fired[row] or warming:
                 continue
-            series.fired = True
+            self._fired[row] = True
             rise, message, evidence = hit
-            count[kind] = count.get(kind, 0) + 1
+            found[kind] = found.get(kind, 0) + 1
             finding = Finding(kind=kind, step=record.step, onset=int(evidence.pop("onset")), severity=Severity.WARNING,
                               signal=name, value=value, message=message, detector=self.name, rank=record.rank,
                               host=record.host, score=rise, evidence=evidence)
@@ -136,23 +219,11 @@ class GrowthDetector:
                 best[kind] = (rise, finding)
         out = []
         for kind, (_, finding) in sorted(best.items()):
-            if count[kind] > 1:
+            if found[kind] > 1:
                 finding = dataclasses.replace(finding, message=finding.message +
-                                              f" ({count[kind] - 1} more series of the same kind grow too)")
+                                              f" ({found[kind] - 1} more series of the same kind grow too)")
             out.append(finding)
         return out
-
-    def _push(self, name: str, quantity: str, step: int, value: float) -> _Series | None:
-        """Add a value to its series (None when it cannot be used or too many series are tracked)."""
-        if not math.isfinite(value) or (quantity != "logit_z" and value <= 0):
-            return None
-        series = self._series.get(name)
-        if series is None:
-            if len(self._series) >= self.config.max_series:
-                return None
-            series = self._series[name] = _Series(self.config.window)
-        series.win.push(step, value if quantity == "logit_z" else math.log(value))
-        return series
 
     def _judge(self, name: str, quantity: str, value: float,
                win: Window) -> tuple[float, str, dict[str, float]] | None:
@@ -267,6 +338,96 @@ class GrowthDetector:
         return []
 
     def state_dict(self) -> dict[str, Any]:
+        """Plain-data state (the per-series format of the per-value implementation)."""
+        return {"series": {n: {"win": self._rings.row_state(r), "fired": bool(self._fired[r]),
+                               "quiet": int(self._quiet[r])} for r, n in enumerate(self._names)},
+                "lr": self._lr.state_dict(), "loss": self._loss.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._reset()
+        for name, s in state["series"].items():
+            row = self._add_series(str(name))
+            if row < 0:
+                break
+            self._rings.load_row(row, s["win"]["x"], s["win"]["y"])
+            self._fired[row], self._quiet[row] = bool(s["fired"]), int(s["quiet"])
+        self._lr.load_state_dict(state["lr"])
+        if "loss" in state:
+            self._loss.load_state_dict(state["loss"])
+
+
+class _Series:
+    def __init__(self, window: int) -> None:
+        self.win = Window(window)
+        self.fired = False
+        self.quiet = 0
+
+
+class _ScalarGrowth(_VectorGrowth):
+    """The per-value implementation of :class:`GrowthDetector` (a Python loop over a record's series: the faster
+    one for records with few of them); the same judging methods and state format as the vectorised one."""
+
+    def __init__(self, config: GrowthConfig) -> None:
+        super().__init__(config)
+        self._series: dict[str, _Series] = {}
+
+    def update(self, record: StepRecord) -> list[Finding]:
+        """Consume one record."""
+        cfg = self.config
+        self._lr.update(record.step, record.get("lr"))
+        warming = self._lr.in_warmup(record.step, cfg.warmup_gate)
+        loss = record.get("loss")
+        if loss > 0 and math.isfinite(loss) and any(split_signal(n)[0] in GROWTH_KINDS for n in record.signals):
+            self._loss.push(record.step, math.log(loss))
+        best: dict[str, tuple[float, Finding]] = {}
+        count: dict[str, int] = {}
+        for name, value in record.signals.items():
+            quantity, _ = split_signal(name)
+            kind = GROWTH_KINDS.get(quantity)
+            series = None if kind is None else self._push(name, quantity, record.step, value)
+            if kind is None or series is None or len(series.win) < cfg.mid_window:
+                continue
+            hit = self._judge(name, quantity, value, series.win)
+            if hit is LEARNING:  # growing, but with the loss improving: neither an alarm nor quiet
+                continue
+            if hit is None:
+                series.quiet += 1
+                if series.quiet >= cfg.window:
+                    series.fired = False
+                continue
+            series.quiet = 0
+            if series.fired or warming:
+                continue
+            series.fired = True
+            rise, message, evidence = hit
+            count[kind] = count.get(kind, 0) + 1
+            finding = Finding(kind=kind, step=record.step, onset=int(evidence.pop("onset")), severity=Severity.WARNING,
+                              signal=name, value=value, message=message, detector=self.name, rank=record.rank,
+                              host=record.host, score=rise, evidence=evidence)
+            if kind not in best or rise > best[kind][0]:
+                best[kind] = (rise, finding)
+        out = []
+        for kind, (_, finding) in sorted(best.items()):
+            if count[kind] > 1:
+                finding = dataclasses.replace(finding, message=finding.message +
+                                              f" ({count[kind] - 1} more series of the same kind grow too)")
+            out.append(finding)
+        return out
+
+    def _push(self, name: str, quantity: str, step: int, value: float) -> _Series | None:
+        """Add a value to its series (None when it cannot be used or too many series are tracked)."""
+        if not math.isfinite(value) or (quantity != "logit_z" and value <= 0):
+            return None
+        series = self._series.get(name)
+        if series is None:
+            if len(self._series) >= self.config.max_series:
+                return None
+            series = self._series[name] = _Series(self.config.window)
+        series.win.push(step, value if quantity == "logit_z" else math.log(value))
+        return series
+
+    def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
         return {"series": {k: {"win": s.win.state_dict(), "fired": s.fired, "quiet": s.quiet}
                            for k, s in self._series.items()}, "lr": self._lr.state_dict(),
@@ -282,3 +443,49 @@ class GrowthDetector:
         self._lr.load_state_dict(state["lr"])
         if "loss" in state:
             self._loss.load_state_dict(state["loss"])
+
+
+class GrowthDetector:
+    """Streaming growth detector for one rank (see the module docstring).
+
+    Records with at least :data:`~._modules.VECTOR_MIN` growth series go through the vectorised implementation,
+    records with fewer through the per-value loop (cheaper for a handful); the detector moves its state from one
+    to the other (same format) when a record's layout crosses that size, which changes no decision.
+    """
+
+    name = "growth"
+
+    def __init__(self, config: GrowthConfig | None = None) -> None:
+        self.config = config or GrowthConfig()
+        self._impl: _VectorGrowth = _ScalarGrowth(self.config)
+        self._wide: dict[Schema, bool | None] = {}
+
+    def update(self, record: StepRecord) -> list[Finding]:
+        """Consume one record."""
+        schema = schema_of(record)
+        wide = self._wide[schema] if schema in self._wide else self._size(schema)
+        if wide is not None and wide == isinstance(self._impl, _ScalarGrowth):
+            impl = _VectorGrowth(self.config) if wide else _ScalarGrowth(self.config)
+            impl.load_state_dict(self._impl.state_dict())
+            self._impl = impl
+        return self._impl.update(record)
+
+    def _size(self, schema: Schema) -> bool | None:
+        """Whether a layout is for the vectorised implementation (None: it has no series, either will do)."""
+        n = sum(len(schema.by_quantity.get(q, ())) for q in GROWTH_KINDS)
+        if len(self._wide) >= 64:
+            self._wide.clear()
+        wide = self._wide[schema] = None if n == 0 else n >= VECTOR_MIN
+        return wide
+
+    def finish(self) -> list[Finding]:
+        """Nothing to flush."""
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state (one format for both implementations)."""
+        return self._impl.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._impl.load_state_dict(state)

@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from stability.detectors._modules import schema_of
 from stability.detectors._rolling import FastBaseline, level_lower_bound
 from stability.detectors._stats import median, safe_exp
 from stability.detectors.base import Finding, Severity
@@ -191,10 +192,9 @@ class LayerJumpDetector:
         jumps: list[tuple[float, str, float, float, float]] = []
         levels: dict[str, float] = {}
         log_factor = math.log(cfg.factor)
-        for name, value in record.signals.items():
-            quantity, module = split_signal(name)
-            if quantity != cfg.quantity or (cfg.modules_only and module is None):
-                continue
+        signals = record.signals
+        for name in schema_of(record).series(cfg.quantity, cfg.modules_only):  # (the record's, in its order)
+            value = signals[name]
             if not (value > 0 and math.isfinite(value)):
                 continue
             series = self._series.get(name)
@@ -334,8 +334,10 @@ class AdamLagDetector:
         self._lr.update(record.step, record.get("lr"))
         lags = []
         least = min(cfg.lag, cfg.sparse_lag)  # no threshold is lower: a value under it needs none computed
-        for name, value in record.signals.items():
-            if split_signal(name)[0] != "adam_v_ratio" or not math.isfinite(value):
+        signals = record.signals
+        for name in schema_of(record).series("adam_v_ratio"):  # (the record's, in its order)
+            value = signals[name]
+            if not math.isfinite(value):
                 continue
             quiet = self._quiet.get(name, 0)
             threshold = self._threshold(name) if value >= least else math.inf

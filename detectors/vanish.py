@@ -24,15 +24,15 @@ other. Defaults are set for **0 false alarms per 10k steps** on the clean baseli
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from stability.detectors._rolling import FastBaseline
+from stability.detectors._modules import VECTOR_MIN, Rings, Schema, layout, log_list, row_median, schema_of
 from stability.detectors._stats import median, safe_exp
+from stability.detectors._vanish_scalar import ScalarVanishing, one_per_rule
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord, split_signal
 
@@ -57,50 +57,88 @@ class VanishConfig:
     max_series: int = 512
 
 
-class _Series:
-    """Reference window and alarm state of one series."""
-
-    def __init__(self, window: int) -> None:
-        self.win = FastBaseline(window=window, min_points=0, scale_floor=0.0)
-        """The reference window, also sorted: its median in O(1) (bit-identical to ``median(win.y)``)."""
-        self.low = 0
-        self.low_onset: int | None = None
-        self.fired = False
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"win": self.win.state_dict(), "low": self.low, "low_onset": self.low_onset, "fired": self.fired}
-
-    def push(self, x: float, y: float) -> None:
-        self.win.accept(x, y)
-
-    def clear(self) -> None:
-        self.win.clear()
-
-    def median(self) -> float:
-        """The median of the window (O(1) from the sorted values; numpy when a value is not finite)."""
-        return self.win.median if self.win.finite else median(self.win.arrays()[1])
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.win.load_state_dict(state["win"])
-        self.low, self.low_onset, self.fired = int(state["low"]), state["low_onset"], bool(state["fired"])
+_HISTORY, _FROZEN, _LAYERS = 0, 1, 2
+"""Kinds of a series key: a gradient norm against its own history, ``<name>#frozen``, ``<name>#layers``."""
+_MARGIN = 1e-9
+"""Slack (log units) under the layer threshold within which a value is decided with ``math.exp`` (as before)."""
 
 
-class GradVanishingDetector:
-    """Streaming vanishing-gradient detector for one rank (see the module docstring)."""
+class _Plan:
+    """This detector's view of one signal layout (positions in record order, sorted by name as the rules run)."""
+
+    __slots__ = ("grad_is_module", "grad_keys", "grad_names", "grad_pos", "layer_keys", "order", "ur_keys",
+                 "ur_names", "ur_pos")
+
+    def __init__(self, schema: Schema, keys: dict[str, int]) -> None:
+        grads = sorted((schema.names[i], i) for i in schema.by_quantity.get("grad_norm", ()))
+        urs = sorted((schema.names[i], i) for i in schema.by_quantity.get("update_ratio", ())
+                     if schema.modules[i] is not None)
+        self.grad_names = [n for n, _ in grads]
+        self.grad_pos = np.array([i for _, i in grads], dtype=np.int64)
+        self.grad_is_module = np.array([schema.modules[i] is not None for _, i in grads], dtype=bool)
+        self.ur_names = [n for n, _ in urs]
+        self.ur_pos = np.array([i for _, i in urs], dtype=np.int64)
+        self.grad_keys = np.array([keys.get(n, -1) for n in self.grad_names], dtype=np.int64)
+        self.ur_keys = np.array([keys.get(n + "#frozen", -1) for n in self.ur_names], dtype=np.int64)
+        self.layer_keys = np.array([keys.get(n + "#layers", -1) for n in self.grad_names], dtype=np.int64)
+        self.order = sorted([(n, _HISTORY, k) for k, n in enumerate(self.grad_names)]
+                            + [(n, _FROZEN, k) for k, n in enumerate(self.ur_names)])
+        """(name, kind, index) of the history and frozen series in name order: the order they are created in."""
+
+
+class _VectorVanishing:
+    """The vectorised implementation of :class:`GradVanishingDetector` (records with many series).
+
+    Vectorised (issue #14 item 8): the reference windows of the gradient-norm series are rows of one
+    :class:`~._modules.Rings` (their medians one sort per record), the run lengths of every rule are arrays, and
+    a record's layout is parsed once; findings are built one by one, as before, when a rule fires.
+    """
 
     name = "vanish"
     kind = "grad_vanishing"
 
-    def __init__(self, config: VanishConfig | None = None) -> None:
-        self.config = config or VanishConfig()
-        self._series: dict[str, _Series] = {}
+    def __init__(self, config: VanishConfig) -> None:
+        self.config = config
         self._lr_peak = 0.0
+        self._reset()
 
-    def _get(self, name: str) -> _Series | None:
-        series = self._series.get(name)
-        if series is None and len(self._series) < self.config.max_series:
-            series = self._series[name] = _Series(self.config.window)
-        return series
+    def _reset(self) -> None:
+        self._rings = Rings(self.config.window)
+        self._keys: dict[str, int] = {}
+        self._names: list[str] = []
+        """Key -> series name (``grad_norm/x``, ``update_ratio/x#frozen``, ``grad_norm/x#layers``), in order."""
+        self._row: list[int] = []
+        """Key -> its ring row (history series) or -1."""
+        self._low = np.zeros(0, dtype=np.int64)
+        self._onset = np.zeros(0, dtype=np.int64)
+        self._has_onset = np.zeros(0, dtype=bool)
+        self._fired = np.zeros(0, dtype=bool)
+        self._plans: dict[Schema, _Plan] = {}
+
+    def _get(self, name: str, kind: int) -> int:
+        """The key of series ``name``, created when new (-1 when ``max_series`` are tracked)."""
+        key = self._keys.get(name)
+        if key is not None:
+            return key
+        if len(self._names) >= self.config.max_series:
+            return -1
+        key = self._keys[name] = len(self._names)
+        self._names.append(name)
+        self._row.append(self._rings.add_row() if kind == _HISTORY else -1)
+        if key >= len(self._low):
+            cap = max(16, 2 * key)
+            self._low, self._onset = np.resize(self._low, cap), np.resize(self._onset, cap)
+            self._has_onset, self._fired = np.resize(self._has_onset, cap), np.resize(self._fired, cap)
+        self._low[key], self._onset[key], self._has_onset[key], self._fired[key] = 0, 0, False, False
+        return key
+
+    def _plan(self, schema: Schema) -> _Plan:
+        plan = self._plans.get(schema)
+        if plan is None:
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            plan = self._plans[schema] = _Plan(schema, self._keys)
+        return plan
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
@@ -108,83 +146,135 @@ class GradVanishingDetector:
         lr = record.get("lr")
         if math.isfinite(lr) and lr > self._lr_peak:
             self._lr_peak = lr
-        layer_logs: dict[str, float] = {}
-        out: list[Finding] = []
-        for name in sorted(record.signals):
-            quantity, module = split_signal(name)
-            value = record.signals[name]
-            if not math.isfinite(value) or value < 0:
-                continue
-            if value == 0.0 and module is not None:
-                continue  # exactly no gradient: the module was unused this step (an MoE expert without tokens)
-            if quantity == "grad_norm":
-                y = math.log(max(value, _TINY))
-                if module is not None:
-                    layer_logs[name] = y
-                out += self._history_rule(record, name, y)
-            elif quantity == "update_ratio" and module is not None:
-                lr_ok = not math.isfinite(lr) or self._lr_peak <= 0 or lr >= cfg.lr_floor * self._lr_peak
-                low = value < cfg.min_update_ratio and lr_ok
-                out += self._persist(record, name + "#frozen", low, value,
-                                     f"{name} = {value:.3g} < {cfg.min_update_ratio:g}: the layer no longer moves",
-                                     {"ratio": value})
-        out = _one_per_rule(out)
-        if len(layer_logs) >= cfg.min_layers:
-            middle = median(np.fromiter(layer_logs.values(), dtype=np.float64))
-            for name, y in layer_logs.items():
-                below = safe_exp(middle - y)
-                out += self._persist(record, name + "#layers", below >= cfg.layer_factor, safe_exp(y),
-                                     f"{name} is {below:.3g}x below the median layer ({safe_exp(middle):.3g})",
-                                     {"factor": below})
-        return _one_per_rule(out)
+        schema, values = layout(record)
+        plan = self._plan(schema)
+        gv, uv = values[plan.grad_pos], values[plan.ur_pos]
+        g_ok = np.flatnonzero(np.isfinite(gv) & (gv >= 0) & ~((gv == 0.0) & plan.grad_is_module))
+        u_ok = np.flatnonzero(np.isfinite(uv) & (uv > 0))
+        if (plan.grad_keys[g_ok] < 0).any() or (plan.ur_keys[u_ok] < 0).any():
+            self._create(plan, set(g_ok.tolist()), set(u_ok.tolist()))
+        g_keys, u_keys = plan.grad_keys[g_ok], plan.ur_keys[u_ok]
+        y = log_list(np.maximum(gv[g_ok], _TINY))
+        found: list[tuple[str, Finding]] = []
+        tracked = g_keys >= 0
+        found += self._history_rule(record, plan, g_ok[tracked], g_keys[tracked], y[tracked])
+        if len(u_ok):
+            lr_ok = not math.isfinite(lr) or self._lr_peak <= 0 or lr >= cfg.lr_floor * self._lr_peak
+            uvals = uv[u_ok]
+            low = (uvals < cfg.min_update_ratio) & lr_ok
+            keep = u_keys >= 0
+            for k, key in self._persist(u_keys[keep], low[keep], record.step):
+                name, value = plan.ur_names[int(u_ok[keep][k])], float(uvals[keep][k])
+                found.append((name, self._finding(
+                    record, name, int(self._onset[key]), value,
+                    f"{name} = {value:.3g} < {cfg.min_update_ratio:g}: the layer no longer moves for "
+                    f"{int(self._low[key])} records", {"ratio": value})))
+        out = one_per_rule([f for _, f in sorted(found, key=lambda item: item[0])])
+        modules = plan.grad_is_module[g_ok]
+        if int(modules.sum()) >= cfg.min_layers:
+            out += self._layer_rule(record, plan, g_ok[modules], y[modules])
+        return one_per_rule(out)
 
-    def _history_rule(self, record: StepRecord, name: str, y: float) -> list[Finding]:
+    def _create(self, plan: _Plan, grads: set[int], urs: set[int]) -> None:
+        """Create the missing series of this record's usable values, in the order the rules meet them."""
+        for name, kind, k in plan.order:
+            if kind == _HISTORY and k in grads and plan.grad_keys[k] < 0:
+                plan.grad_keys[k] = self._get(name, _HISTORY)
+            elif kind == _FROZEN and k in urs and plan.ur_keys[k] < 0:
+                plan.ur_keys[k] = self._get(name + "#frozen", _FROZEN)
+
+    def _history_rule(self, record: StepRecord, plan: _Plan, idx: np.ndarray, keys: np.ndarray,
+                      y: np.ndarray) -> list[tuple[str, Finding]]:
+        """Collapse against the series' own history (see the module docstring)."""
         cfg = self.config
-        series = self._get(name)
-        if series is None:
+        if not len(keys):
             return []
-        if len(series.win) < cfg.min_points:
-            series.push(record.step, y)
-            return []
-        ref = series.median()
-        if y > ref - math.log(cfg.factor):
-            series.low, series.low_onset, series.fired = 0, None, False
-            series.push(record.step, y)
-            return []
-        series.low += 1
-        if series.low_onset is None:
-            series.low_onset = record.step
-        if series.low >= cfg.rebaseline:
-            series.clear()
-            series.push(record.step, y)
-            series.low, series.low_onset = 0, None
-            return []
-        if series.low < cfg.persist or series.fired:
-            return []
-        series.fired = True
-        factor = safe_exp(ref - y)
-        where = "the global gradient norm" if "/" not in name else f"layer {split_signal(name)[1]}"
-        return [self._finding(record, name, series.low_onset, safe_exp(y),
-                              f"{name} collapsed {factor:.3g}x below its recent median {safe_exp(ref):.3g} for "
-                              f"{series.low} records ({where})", {"factor": factor, "baseline": safe_exp(ref)})]
+        rings = self._rings
+        rows = np.array([self._row[k] for k in keys.tolist()], dtype=np.int64)
+        count = rings.count[rows]
+        push = count < cfg.min_points
+        ref = np.full(len(rows), np.nan)
+        judged = np.flatnonzero(~push)
+        counts = count[judged]
+        for n in ([] if not len(judged) else [int(counts[0])] if counts.min() == counts.max()
+                  else np.unique(counts).tolist()):
+            sub = judged if counts.min() == counts.max() else judged[counts == n]
+            _, ys = rings.slab(int(n))
+            ref[sub] = row_median(ys[rows[sub]])
+        up = ~push
+        up[judged] = y[judged] > ref[judged] - math.log(cfg.factor)
+        up &= ~push
+        reset = keys[up]
+        self._low[reset], self._has_onset[reset], self._fired[reset] = 0, False, False
+        down = np.flatnonzero(~push & ~up)
+        out: list[tuple[str, Finding]] = []
+        step = record.step
+        for i in down.tolist():
+            key = int(keys[i])
+            self._low[key] += 1
+            if not self._has_onset[key]:
+                self._onset[key], self._has_onset[key] = step, True
+            if self._low[key] >= cfg.rebaseline:
+                rings.clear(int(rows[i]))
+                push[i] = True
+                self._low[key], self._has_onset[key] = 0, False
+                continue
+            if self._low[key] < cfg.persist or self._fired[key]:
+                continue
+            self._fired[key] = True
+            name = plan.grad_names[int(idx[i])]
+            r, yi = float(ref[i]), float(y[i])
+            factor = safe_exp(r - yi)
+            where = "the global gradient norm" if "/" not in name else f"layer {split_signal(name)[1]}"
+            out.append((name, self._finding(
+                record, name, int(self._onset[key]), safe_exp(yi),
+                f"{name} collapsed {factor:.3g}x below its recent median {safe_exp(r):.3g} for "
+                f"{int(self._low[key])} records ({where})", {"factor": factor, "baseline": safe_exp(r)})))
+        push |= up
+        order = np.flatnonzero(push)
+        order = order[np.argsort(rows[order], kind="stable")]
+        rings.push(rows[order], float(step), y[order])
+        return out
 
-    def _persist(self, record: StepRecord, key: str, low: bool, value: float, what: str,
-                 evidence: dict[str, float]) -> list[Finding]:
-        series = self._get(key)
-        if series is None:
+    def _persist(self, keys: np.ndarray, low: np.ndarray, step: int) -> list[tuple[int, int]]:
+        """Advance the run lengths of ``keys`` (``low``: below the rule's threshold this record); the (index, key)
+        of those that reach ``persist`` records and have not fired yet (now marked fired)."""
+        high = keys[~low]
+        self._low[high], self._has_onset[high], self._fired[high] = 0, False, False
+        if not low.any():
             return []
-        if not low:
-            series.low, series.low_onset, series.fired = 0, None, False
-            return []
-        series.low += 1
-        if series.low_onset is None:
-            series.low_onset = record.step
-        if series.low < self.config.persist or series.fired:
-            return []
-        series.fired = True
-        signal = key.split("#", 1)[0]
-        return [self._finding(record, signal, series.low_onset, value, f"{what} for {series.low} records",
-                              evidence)]
+        fire: list[tuple[int, int]] = []
+        for i in np.flatnonzero(low).tolist():
+            key = int(keys[i])
+            self._low[key] += 1
+            if not self._has_onset[key]:
+                self._onset[key], self._has_onset[key] = step, True
+            if self._low[key] >= self.config.persist and not self._fired[key]:
+                self._fired[key] = True
+                fire.append((i, key))
+        return fire
+
+    def _layer_rule(self, record: StepRecord, plan: _Plan, idx: np.ndarray, y: np.ndarray) -> list[Finding]:
+        """Collapse against the median layer of this record (see the module docstring)."""
+        cfg = self.config
+        keys = plan.layer_keys[idx]
+        for i in np.flatnonzero(keys < 0).tolist():
+            keys[i] = plan.layer_keys[idx[i]] = self._get(plan.grad_names[int(idx[i])] + "#layers", _LAYERS)
+        middle = median(y)
+        d = middle - y
+        low = d >= math.log(cfg.layer_factor) - _MARGIN
+        for i in np.flatnonzero(low).tolist():
+            low[i] = safe_exp(float(d[i])) >= cfg.layer_factor
+        keep = keys >= 0
+        out = []
+        for k, key in self._persist(keys[keep], low[keep], record.step):
+            i = int(np.flatnonzero(keep)[k])
+            name, yi = plan.grad_names[int(idx[i])], float(y[i])
+            below = safe_exp(middle - yi)
+            out.append(self._finding(record, name, int(self._onset[key]), safe_exp(yi),
+                                     f"{name} is {below:.3g}x below the median layer ({safe_exp(middle):.3g}) "
+                                     f"for {int(self._low[key])} records", {"factor": below}))
+        return out
 
     def _finding(self, record: StepRecord, signal: str, onset: int, value: float, message: str,
                  evidence: dict[str, float]) -> Finding:
@@ -197,29 +287,74 @@ class GradVanishingDetector:
         return []
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-data state."""
-        return {"series": {k: v.state_dict() for k, v in self._series.items()}, "lr_peak": self._lr_peak}
+        """Plain-data state (the per-series format of the per-value implementation)."""
+        empty: dict[str, Any] = {"x": [], "y": []}
+        return {"series": {name: {"win": self._rings.row_state(self._row[k]) if self._row[k] >= 0 else dict(empty),
+                                  "low": int(self._low[k]),
+                                  "low_onset": int(self._onset[k]) if self._has_onset[k] else None,
+                                  "fired": bool(self._fired[k])}
+                           for k, name in enumerate(self._names)}, "lr_peak": self._lr_peak}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
-        self._series = {}
-        for name, series_state in state["series"].items():
-            series = self._series[name] = _Series(self.config.window)
-            series.load_state_dict(series_state)
+        self._reset()
+        for name, st in state["series"].items():
+            kind = _FROZEN if name.endswith("#frozen") else _LAYERS if name.endswith("#layers") else _HISTORY
+            key = self._get(str(name), kind)
+            if key < 0:
+                break
+            if kind == _HISTORY:
+                self._rings.load_row(self._row[key], st["win"]["x"], st["win"]["y"])
+            self._low[key], self._fired[key] = int(st["low"]), bool(st["fired"])
+            onset = st["low_onset"]
+            self._has_onset[key] = onset is not None
+            self._onset[key] = 0 if onset is None else int(onset)
         self._lr_peak = float(state["lr_peak"])
 
 
-def _one_per_rule(found: list[Finding]) -> list[Finding]:
-    """At most one finding per quantity and record (the most extreme layer, naming how many more): no storm."""
-    best: dict[str, tuple[Finding, int]] = {}
-    for finding in found:
-        key = split_signal(finding.signal)[0] + ("/" if "/" in finding.signal else "")
-        kept = best.get(key)
-        if kept is None:
-            best[key] = (finding, 1)
-        else:
-            extreme = finding if finding.score > kept[0].score or (
-                finding.score == kept[0].score and finding.value < kept[0].value) else kept[0]
-            best[key] = (extreme, kept[1] + 1)
-    return [f if n == 1 else dataclasses.replace(f, message=f"{f.message} ({n - 1} more layers too)")
-            for f, n in best.values()]
+class GradVanishingDetector:
+    """Streaming vanishing-gradient detector for one rank (see the module docstring).
+
+    Records with at least :data:`~._modules.VECTOR_MIN` gradient-norm / update-ratio series go through the
+    vectorised rules, records with fewer through the per-value loop (:mod:`~._vanish_scalar`, cheaper for a
+    handful); the detector moves its state from one to the other (same format) when a record's layout crosses
+    that size, which changes no decision.
+    """
+
+    name = "vanish"
+    kind = "grad_vanishing"
+
+    def __init__(self, config: VanishConfig | None = None) -> None:
+        self.config = config or VanishConfig()
+        self._impl: _VectorVanishing | ScalarVanishing = ScalarVanishing(self.config)
+        self._wide: dict[Schema, bool | None] = {}
+
+    def update(self, record: StepRecord) -> list[Finding]:
+        """Consume one record."""
+        schema = schema_of(record)
+        wide = self._wide[schema] if schema in self._wide else self._size(schema)
+        if wide is not None and wide != isinstance(self._impl, _VectorVanishing):
+            impl = _VectorVanishing(self.config) if wide else ScalarVanishing(self.config)
+            impl.load_state_dict(self._impl.state_dict())
+            self._impl = impl
+        return self._impl.update(record)
+
+    def _size(self, schema: Schema) -> bool | None:
+        """Whether a layout is for the vectorised rules (None: it has no series, either will do)."""
+        n = len(schema.by_quantity.get("grad_norm", ())) + len(schema.by_quantity.get("update_ratio", ()))
+        if len(self._wide) >= 64:
+            self._wide.clear()
+        wide = self._wide[schema] = None if n == 0 else n >= VECTOR_MIN
+        return wide
+
+    def finish(self) -> list[Finding]:
+        """Nothing to flush."""
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state (one format for both implementations)."""
+        return self._impl.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._impl.load_state_dict(state)
