@@ -12,10 +12,16 @@ it started, and redis-server cannot watch its parent. So local rank 0 starts ``p
 
    * SIGTERM from the training side (:meth:`stability.session.Session.close`, after the run drained): stop the
      worker, then redis-server, exit 0;
+   * SIGUSR1 from the training side: its fast exit (``import stability.auto`` at interpreter exit) is under way;
+     when it is gone, the run's other ranks get :data:`RANKS_GRACE_S` to end on their own, then as below;
    * the training process gone without that: record the run as ``died`` at its last step (unless the trainer
-     recorded it first, e.g. on SIGTERM), mark every rank ended so the worker finishes the run (findings.json and
-     report.html from what reached Redis), wait for that (``STABILITY_EXIT_DRAIN_S``, default 120 s), then stop
-     the worker and redis-server.
+     recorded its end first: ``finished`` after the fast exit of ``import stability.auto``, which does not wait
+     for the worker, or ``died`` on SIGTERM), mark every rank ended so the worker finishes the run (findings.json
+     and report.html from what reached Redis), wait for that (``STABILITY_EXIT_DRAIN_S``, default 120 s), then
+     stop the worker and redis-server.
+
+While it runs, ``<run dir>/redis/supervisor.pid`` holds its pid (removed when it has stopped everything);
+:func:`wait_stopped` waits for that, e.g. for the report after a fast exit.
 
 With an external Redis (``--external``; the URL comes in the environment variable ``STABILITY_WATCH_URL``, so no
 password shows in ``ps``) it only watches: a vanished trainer is recorded as
@@ -45,13 +51,16 @@ from stability.embedded import RedisServer, parent_death_preexec
 from stability.errors import StabilityError
 from stability.redis_url import connect
 
-__all__ = ["ParentWatch", "main"]
+__all__ = ["ParentWatch", "main", "wait_stopped"]
 
 log = logging.getLogger("stability.supervisor")
 
 URL_FILE = "url"
+PID_FILE = "supervisor.pid"
 EXIT_DRAIN_S = 120.0
 """Default bound of the drain after the training process died (``STABILITY_EXIT_DRAIN_S``)."""
+RANKS_GRACE_S = 60.0
+"""After the trainer's clean fast exit, how long the run's other ranks may take to end before they are marked ended."""
 STOP_WAIT_S = 20.0
 MAX_RESTARTS = 3
 """A worker or redis-server that dies while the trainer runs is restarted at most this many times each."""
@@ -111,15 +120,27 @@ class Supervisor:
         self.url = redis_url if redis_url is not None else self.server.url  # type: ignore[union-attr]
         self.worker: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
+        self._clean_exit = threading.Event()
         self._restarts = {"redis-server": 0, "worker": 0}
 
     def run(self) -> int:
         """Start everything, watch the trainer, stop everything; the exit status."""
         signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
+        signal.signal(signal.SIGUSR1, lambda *_: self._clean_exit.set())  # the trainer's fast exit is under way
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the trainer (SIGTERM) or its death stops us
         if self.watch.gone(0):
             log.warning("stability supervisor: training process %d is already gone", self.watch.pid)
             return 1
+        pid_file = self.run_dir / "redis" / PID_FILE
+        pid_file.parent.mkdir(parents=True, exist_ok=True)
+        _publish(pid_file, str(os.getpid()))
+        try:
+            return self._run()
+        finally:
+            with contextlib.suppress(OSError):
+                pid_file.unlink()
+
+    def _run(self) -> int:
         try:
             if self.server is not None:
                 self.server.start()
@@ -136,6 +157,8 @@ class Supervisor:
                      self.watch.pid)
             while not self._stop.is_set():
                 if self.watch.gone(0.5):
+                    if self._clean_exit.is_set():
+                        self._await_other_ranks()
                     self._after_death()
                     break
                 self._restart_crashed()
@@ -186,8 +209,12 @@ class Supervisor:
         try:
             status = runstate.mark(client, self.run_id, runstate.DIED, reason="vanished without a clean close",
                                    run_dir=self.run_dir)
-            log.warning("stability supervisor: training process %d is gone; run %s %s", self.watch.pid,
-                        self.run_id, status.describe())
+            if status.status == runstate.FINISHED:  # the fast exit: the trainer recorded its end and left
+                log.info("stability supervisor: training process %d has exited; run %s %s, finishing its diagnosis",
+                         self.watch.pid, self.run_id, status.describe())
+            else:
+                log.warning("stability supervisor: training process %d is gone; run %s %s", self.watch.pid,
+                            self.run_id, status.describe())
             ranks = sorted(int(r) for r in client.smembers(keys.ranks(self.run_id)))  # type: ignore[union-attr]
             now = f"{time.time():.3f}"
             for rank in ranks:
@@ -198,6 +225,28 @@ class Supervisor:
             log.error("stability supervisor: could not finish run %s (%s)", self.run_id, exc)
         finally:
             client.close()
+
+    def _await_other_ranks(self) -> None:
+        """After a clean fast exit of the trainer: give the run's other ranks (other processes, e.g. DDP) up to
+        :data:`RANKS_GRACE_S` to end on their own before :meth:`_after_death` marks them ended."""
+        import redis
+
+        deadline = time.monotonic() + RANKS_GRACE_S
+        try:
+            client = connect(self.url, socket_timeout=5, socket_connect_timeout=5)
+            try:
+                while time.monotonic() < deadline and not self._stop.is_set():
+                    ranks = sorted(int(r) for r in client.smembers(keys.ranks(self.run_id)))  # type: ignore[union-attr]
+                    ended: Any = client.hmget(keys.meta(self.run_id), [f"ended:{r}" for r in ranks]) if ranks else []
+                    if all(ended):
+                        return
+                    time.sleep(0.2)
+                log.warning("stability supervisor: other ranks of run %s did not end within %.0fs", self.run_id,
+                            RANKS_GRACE_S)
+            finally:
+                client.close()
+        except redis.RedisError as exc:
+            log.error("stability supervisor: could not read the ranks of run %s (%s)", self.run_id, exc)
 
     def _wait_drained(self, client: Any) -> None:
         deadline = time.monotonic() + self.exit_drain_s
@@ -225,6 +274,25 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def wait_stopped(run_dir: Path, timeout: float) -> bool:
+    """Wait until the supervisor of ``run_dir`` (if any) has stopped its worker and redis-server; False on timeout.
+
+    After the fast exit of ``import stability.auto`` this is when findings.json and report.html are complete.
+    """
+    pid_file = Path(run_dir) / "redis" / PID_FILE
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pid = int(pid_file.read_text().strip() or "0")
+        except (OSError, ValueError):
+            return True
+        if pid <= 0 or not _alive(pid):  # gone without removing its file (SIGKILL)
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _publish(path: Path, url: str) -> None:
