@@ -133,7 +133,11 @@ def wandb_mode(model: torch.nn.Module, tmp: Path) -> tuple[Callable[[], contextl
         return None
     os.environ["WANDB_MODE"] = "offline"
     os.environ["WANDB_SILENT"] = "true"
-    run = wandb.init(project="stability-bench", dir=str(tmp), mode="offline")
+    try:
+        run = wandb.init(project="stability-bench", dir=str(tmp), mode="offline")
+    except Exception as exc:  # e.g. no writable directory or service on the machine: skip this mode, say why
+        print(f"wandb.init failed ({type(exc).__name__}: {exc}); the wandb.watch mode is skipped")
+        return None
 
     @contextlib.contextmanager
     def session() -> Iterator[AfterBackward]:

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stability import keys, runstate
+from stability import keys
 from stability.embedded import RedisServer, parent_death_preexec
 from stability.errors import StabilityError
 from stability.redis_url import connect
@@ -204,6 +204,8 @@ class Supervisor:
     def _after_death(self) -> None:
         """The training process vanished without a clean close: record it, let the worker finish the run."""
         import redis
+
+        from stability import runstate  # imported here: the URL is published before redis-py is loaded
 
         client = connect(self.url, socket_timeout=5, socket_connect_timeout=5)
         try:
