@@ -13,10 +13,10 @@ it started, and redis-server cannot watch its parent. So local rank 0 starts ``p
    * SIGTERM from the training side (:meth:`stability.session.Session.close`, after the run drained): stop the
      worker, then redis-server, exit 0;
    * SIGUSR1 from the training side: its fast exit (``import stability.auto`` at interpreter exit) is under way;
-     when it is gone, the run's other ranks get :data:`RANKS_GRACE_S` to end on their own, then as below;
-   * the training process gone without that: record the run as ``died`` at its last step (unless the trainer
-     recorded its end first: ``finished`` after the fast exit of ``import stability.auto``, which does not wait
-     for the worker, or ``died`` on SIGTERM), mark every rank ended so the worker finishes the run (findings.json
+     when it is gone, the local worker finishes the run (once every rank has ended on its own; nothing is marked
+     for the others, which may still be training) within ``STABILITY_EXIT_DRAIN_S``, then both are stopped;
+   * the training process gone without either: record the run as ``died`` at its last step (unless the trainer
+     recorded it first, e.g. on SIGTERM), mark every rank ended so the worker finishes the run (findings.json
      and report.html from what reached Redis), wait for that (``STABILITY_EXIT_DRAIN_S``, default 120 s), then
      stop the worker and redis-server.
 
@@ -59,8 +59,6 @@ URL_FILE = "url"
 PID_FILE = "supervisor.pid"
 EXIT_DRAIN_S = 120.0
 """Default bound of the drain after the training process died (``STABILITY_EXIT_DRAIN_S``)."""
-RANKS_GRACE_S = 60.0
-"""After the trainer's clean fast exit, how long the run's other ranks may take to end before they are marked ended."""
 STOP_WAIT_S = 20.0
 MAX_RESTARTS = 3
 """A worker or redis-server that dies while the trainer runs is restarted at most this many times each."""
@@ -158,8 +156,9 @@ class Supervisor:
             while not self._stop.is_set():
                 if self.watch.gone(0.5):
                     if self._clean_exit.is_set():
-                        self._await_other_ranks()
-                    self._after_death()
+                        self._after_clean_exit()
+                    else:
+                        self._after_death()
                     break
                 self._restart_crashed()
             else:
@@ -211,12 +210,8 @@ class Supervisor:
         try:
             status = runstate.mark(client, self.run_id, runstate.DIED, reason="vanished without a clean close",
                                    run_dir=self.run_dir)
-            if status.status == runstate.FINISHED:  # the fast exit: the trainer recorded its end and left
-                log.info("stability supervisor: training process %d has exited; run %s %s, finishing its diagnosis",
-                         self.watch.pid, self.run_id, status.describe())
-            else:
-                log.warning("stability supervisor: training process %d is gone; run %s %s", self.watch.pid,
-                            self.run_id, status.describe())
+            log.warning("stability supervisor: training process %d is gone; run %s %s", self.watch.pid,
+                        self.run_id, status.describe())
             ranks = sorted(int(r) for r in client.smembers(keys.ranks(self.run_id)))  # type: ignore[union-attr]
             now = f"{time.time():.3f}"
             for rank in ranks:
@@ -228,27 +223,24 @@ class Supervisor:
         finally:
             client.close()
 
-    def _await_other_ranks(self) -> None:
-        """After a clean fast exit of the trainer: give the run's other ranks (other processes, e.g. DDP) up to
-        :data:`RANKS_GRACE_S` to end on their own before :meth:`_after_death` marks them ended."""
+    def _after_clean_exit(self) -> None:
+        """The trainer exited after its fast close (records flushed, its rank ended, the run's end recorded): let the
+        local worker finish the run, which includes waiting for the run's other ranks to end on their own (nothing
+        is marked for them: they may still be training, e.g. on other nodes), then stop."""
         import redis
 
-        deadline = time.monotonic() + RANKS_GRACE_S
+        log.info("stability supervisor: training process %d has exited; run %s finished on this rank, finishing "
+                 "its diagnosis", self.watch.pid, self.run_id)
+        if self.worker is None:
+            return
         try:
             client = connect(self.url, socket_timeout=5, socket_connect_timeout=5)
             try:
-                while time.monotonic() < deadline and not self._stop.is_set():
-                    ranks = sorted(int(r) for r in client.smembers(keys.ranks(self.run_id)))  # type: ignore[union-attr]
-                    ended: Any = client.hmget(keys.meta(self.run_id), [f"ended:{r}" for r in ranks]) if ranks else []
-                    if all(ended):
-                        return
-                    time.sleep(0.2)
-                log.warning("stability supervisor: other ranks of run %s did not end within %.0fs", self.run_id,
-                            RANKS_GRACE_S)
+                self._wait_drained(client)
             finally:
                 client.close()
         except redis.RedisError as exc:
-            log.error("stability supervisor: could not read the ranks of run %s (%s)", self.run_id, exc)
+            log.error("stability supervisor: could not follow run %s (%s)", self.run_id, exc)
 
     def _wait_drained(self, client: Any) -> None:
         deadline = time.monotonic() + self.exit_drain_s
