@@ -1,14 +1,16 @@
-"""Overhead of the capture hooks on a CPU training step: steps/s without stability, with defaults, with stats_every=1.
+"""Overhead of the capture hooks on a training step: steps/s without stability, with defaults, with every signal on
+every step (``stats_every=1``, ``layer_every=1``).
 
 Model: :class:`stability.testing.TinyGPT` with its defaults (4 layers, d=256, vocab 1024, 128 tokens, ~3.7M
-parameters in 53 tensors), AdamW, ``clip_grad_norm_(1.0)``, batch 8. The three modes are interleaved in rounds
+parameters in 53 tensors; ``--layers 24``: 19.5M parameters in 293 tensors), AdamW, ``clip_grad_norm_(1.0)``,
+batch 8. The three modes are interleaved in rounds
 (ABC ABC ...) so the noise of a shared machine hits them alike; each mode's time per step is the median over its
 rounds. Two clocks are reported: wall time, and the CPU time of the whole process (all threads, so the reader
 thread's work is included) which is far less disturbed by other processes on a shared machine. Capture runs in
 auto mode (``attach()`` with no arguments, as ``import stability.auto`` does) into an in-memory sink, so the
 transport is not measured here.
 
-    OMP_NUM_THREADS=1 python bench/bench_overhead.py [--rounds 9] [--steps 6] [--batch 8]
+    OMP_NUM_THREADS=1 python bench/bench_overhead.py [--rounds 9] [--steps 6] [--batch 8] [--layers 4] [--device cpu]
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ import torch
 
 from stability.config import WatchConfig
 from stability.hooks.capture import Capture
-from stability.testing import ListSink, TinyGPT
+from stability.testing import ListSink, TinyGPT, TinyGPTConfig
 
 
-def make_loop(batch: int, device: str = "cpu") -> tuple[Callable[[int], None], TinyGPT]:
+def make_loop(batch: int, device: str = "cpu", layers: int = 4) -> tuple[Callable[[int], None], TinyGPT]:
     torch.manual_seed(0)
-    model = TinyGPT().to(device)
+    model = TinyGPT(TinyGPTConfig(n_layer=layers)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     vocab, block = model.cfg.vocab, model.cfg.block
     data = torch.randint(0, vocab, (batch, block + 1), device=device)
@@ -73,19 +75,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (24: 293 parameter tensors)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (bench/gpu_check.sh uses cuda)")
     args = parser.parse_args()
-    run, model = make_loop(args.batch, args.device)
+    run, model = make_loop(args.batch, args.device, args.layers)
     modes: dict[str, WatchConfig | None] = {
         "baseline (no stability)": None,
         "capture, defaults": WatchConfig(run_id="bench"),
-        "capture, stats_every=1": WatchConfig(run_id="bench", stats_every=1),
+        "capture, every signal every step": WatchConfig(run_id="bench", stats_every=1, layer_every=1),
     }
     walls: dict[str, list[float]] = {name: [] for name in modes}
     cpus: dict[str, list[float]] = {name: [] for name in modes}
     n_params = sum(p.numel() for p in model.parameters())
     print(
-        f"TinyGPT {n_params / 1e6:.2f}M params, {len(list(model.parameters()))} tensors, batch {args.batch}, "
+        f"TinyGPT {args.layers} layers, {n_params / 1e6:.2f}M params, {len(list(model.parameters()))} tensors, "
+        f"batch {args.batch}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.rounds} rounds x {args.steps} steps"
     )
     run(3)  # warm up allocator and kernels
@@ -99,7 +103,7 @@ def main() -> None:
     for name in modes:
         wall, cpu = statistics.median(walls[name]), statistics.median(cpus[name])
         print(
-            f"{name:26s} {1 / wall:6.2f} steps/s  wall {wall * 1e3:6.1f} ms/step x{wall / base_wall:.4f}"
+            f"{name:33s} {1 / wall:6.2f} steps/s  wall {wall * 1e3:6.1f} ms/step x{wall / base_wall:.4f}"
             f"  | process CPU {cpu * 1e3:6.1f} ms/step x{cpu / base_cpu:.4f} ({(cpu / base_cpu - 1) * 100:+.2f} %)"
         )
 

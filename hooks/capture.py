@@ -256,6 +256,8 @@ class Capture:
         self._warned_blind = False
         self._perf = Performance(config.run_id, config.resolved_run_dir, config.redis_url, self._emit_host,
                                  lambda: self._metadata()[0], enabled=config.timing)  # hooks/timing.py
+        self._snapshot_buffers: tuple[ParamLayout, list[torch.Tensor]] | None = None
+        self._clip_order: tuple[ParamLayout, tuple[int, ...], torch.Tensor | None] | None = None
 
     # ----------------------------------------------------------------------------------------------- public API
 
@@ -475,12 +477,31 @@ class Capture:
         self._scaled = (weakref.ref(output), scaler)
 
     @_hook
-    def before_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor]) -> None:
-        """Measure the gradients before ``clip_grad_norm_`` changes them."""
+    def before_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor], norms: torch.Tensor | None = None) -> None:
+        """Measure the gradients before ``clip_grad_norm_`` changes them; ``norms`` (per-tensor L2 norms of
+        ``parameters``' gradients, computed once by the patch, which clips with them) are reused when they cover
+        the measured parameters."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         self._ensure_layout(params)
-        if self._layout is not None and not self._state.grads_measured:
-            self._measure_grads()
+        layout = self._layout
+        if layout is not None and not self._state.grads_measured:
+            self._measure_grads(norms=None if norms is None else self._clip_norms(layout, params, norms))
+
+    def _clip_norms(self, layout: ParamLayout, params: list[torch.Tensor], norms: torch.Tensor) -> torch.Tensor | None:
+        """``norms`` (aligned with ``params``) reordered to the layout's parameters; None when some are missing."""
+        if norms.device != self._device() or norms.numel() != len(params):
+            return None
+        mine = layout.params
+        if len(mine) == len(params) and all(a is b for a, b in zip(mine, params, strict=True)):
+            return norms
+        key = tuple(id(p) for p in params)
+        cached = self._clip_order
+        if cached is None or cached[0] is not layout or cached[1] != key:
+            position = {id(p): i for i, p in enumerate(params)}
+            order = [position.get(id(p), -1) for p in mine]
+            index = None if -1 in order else stats.to_device(torch.tensor(order, dtype=torch.int64), norms.device)
+            cached = self._clip_order = (layout, key, index)
+        return None if cached[2] is None else norms.index_select(0, cached[2])
 
     @_hook
     def before_scaler_step(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -613,7 +634,7 @@ class Capture:
             and self._stats_due(self._step)
             and layout.total_bytes <= self.config.update_ratio_max_bytes
         ):
-            state.snapshot = [p.detach().clone() for p in layout.params]
+            state.snapshot = self._snapshot(layout)
 
     @_hook
     def _end_external(self, skipped: bool | float | torch.Tensor | None) -> None:
@@ -658,7 +679,7 @@ class Capture:
             and self._stats_due(self._step)
             and layout.total_bytes <= self.config.update_ratio_max_bytes
         ):
-            state.snapshot = [p.detach().clone() for p in layout.params]
+            state.snapshot = self._snapshot(layout)
 
     def _close_manual(self, reason: str, *, grads_intact: bool) -> None:
         """End the step in progress of a loop without an optimizer (see :mod:`stability.hooks.rhythm`)."""
@@ -774,7 +795,20 @@ class Capture:
             and self._stats_due(self._step)
             and layout.total_bytes <= self.config.update_ratio_max_bytes
         ):
-            state.snapshot = [p.detach().clone() for p in layout.params]
+            state.snapshot = self._snapshot(layout)
+
+    def _snapshot(self, layout: ParamLayout) -> list[torch.Tensor]:
+        """The parameters' values now, copied into buffers kept for the capture's life (allocating fresh memory on
+        every sampled step cost several times the copy itself)."""
+        params = [p.detach() for p in layout.params]
+        kept = self._snapshot_buffers
+        if kept is None or kept[0] is not layout or any(
+            b.shape != p.shape or b.dtype != p.dtype or b.device != p.device
+            for b, p in zip(kept[1], params, strict=True)
+        ):
+            kept = self._snapshot_buffers = (layout, [torch.empty_like(p) for p in params])
+        torch._foreach_copy_(kept[1], params)
+        return kept[1]
 
     def _ensure_layout(self, params: list[torch.Tensor] | None) -> None:
         """Find the model (auto mode) and group the measured parameters by module, once."""
@@ -811,9 +845,13 @@ class Capture:
             return layout.params[0].device
         return torch.device("cpu")
 
-    def _measure_grads(self, given: list[torch.Tensor | None] | None = None, *, layers: bool = True) -> None:
+    def _measure_grads(self, given: list[torch.Tensor | None] | None = None, *, layers: bool = True,
+                       norms: torch.Tensor | None = None) -> None:
         """Global and per-module gradient norms and the non-finite count, on the device.
 
+        One fused pass gives the per-tensor norms (``norms``: already computed by the ``clip_grad_norm_`` patch,
+        aligned with the layout's parameters); the global norm, the per-module norms and whether any element is
+        non-finite all come from them (see :func:`stats.nonfinite_given_norm`).
         With ``use_framework(grad_norm=False)`` only the per-module norms are measured, on ``layer_every`` steps.
         """
         layout = self._layout
@@ -826,10 +864,12 @@ class Capture:
             return
         device = self._device()
         grads = [p.grad for p in layout.params] if given is None else given
-        norms = stats.tensor_norms(grads, device)
+        if norms is None:
+            norms = stats.tensor_norms(grads, device)
         if self._own_grad_norm:
-            state.grad_parts.append((["grad_norm"], torch.linalg.vector_norm(norms).reshape(1)))
-            state.grad_parts.append((["nonfinite_grads"], stats.nonfinite_count(grads, device).reshape(1)))
+            total = torch.linalg.vector_norm(norms).reshape(1)
+            state.grad_parts.append((["grad_norm"], total))
+            state.grad_parts.append((["nonfinite_grads"], stats.nonfinite_given_norm(grads, total, device)))
         if layer_due:
             per_module = stats.segment_sum(norms.square(), layout.index(device), len(layout.modules)).sqrt()
             state.grad_parts.append((layout.names("grad_norm"), per_module))
@@ -864,10 +904,11 @@ class Capture:
         param_sq = stats.segment_sum(stats.tensor_norms(params, device).square(), index, n)
         state.parts.append((layout.names("param_norm"), param_sq.sqrt()))
         if state.snapshot is not None:
-            delta = torch._foreach_sub(params, state.snapshot)
-            delta_sq = stats.segment_sum(stats.tensor_norms(delta, device).square(), index, n)
             before_sq = stats.segment_sum(stats.tensor_norms(state.snapshot, device).square(), index, n)
+            torch._foreach_sub_(state.snapshot, params)  # the persistent buffer now holds -delta (no allocation)
+            delta_sq = stats.segment_sum(stats.tensor_norms(state.snapshot, device).square(), index, n)
             state.parts.append((layout.names("update_ratio"), (delta_sq / before_sq).sqrt()))
+            state.snapshot = None
         adam = self._adam_state(optimizer, layout.params)
         if adam is not None:
             vs, beta2, steps = adam
@@ -899,9 +940,7 @@ class Capture:
     def _activation_stats(self, state: _StepState) -> None:
         if state.acts:
             names = list(state.acts)
-            calls = [torch.stack(state.acts[name]) for name in names]
-            absmax = torch.stack([c[:, 0].amax() for c in calls])
-            rms = torch.stack([c[:, 1].mean() for c in calls]).sqrt()
+            absmax, rms = stats.activation_summary([state.acts[name] for name in names])
             state.parts.append(([f"act_absmax/{m}" for m in names], absmax))
             state.parts.append(([f"act_rms/{m}" for m in names], rms))
         if state.logit_z:

@@ -51,6 +51,8 @@ class StagedStep:
     values: torch.Tensor | None = None
     event: Any = None
     """A ``torch.cuda.Event`` recorded after the copy, or None when ``values`` is ready."""
+    pinned: bool = False
+    """``values`` is a pinned host buffer of the pool, given back once read."""
 
     def to_record(self) -> StepRecord:
         """Wait for the copy (reader thread only) and build the record."""
@@ -58,7 +60,11 @@ class StagedStep:
             self.event.synchronize()
         signals = dict(self.host_signals)
         if self.values is not None:
-            for name, value in zip(self.names, self.values.tolist(), strict=True):
+            values = self.values.tolist()
+            if self.pinned:
+                _PINNED.give_back(self.values)
+                self.pinned = False
+            for name, value in zip(self.names, values, strict=True):
                 if value == ABSENT and split_signal(name)[0] in _ABSENT_QUANTITIES:
                     continue
                 signals[name] = value
@@ -92,13 +98,43 @@ def stage(parts: list[tuple[list[str], torch.Tensor]], staged: StagedStep) -> No
     if device.type == "cpu":
         staged.values = vector
     elif device.type == "cuda":
-        host = torch.empty(vector.shape, dtype=dtype, pin_memory=True)
+        host = _PINNED.take(vector.numel(), dtype)
         host.copy_(vector, non_blocking=True)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record()
-        staged.values, staged.event = host, event
+        staged.values, staged.event, staged.pinned = host, event, True
     else:  # other accelerators: a plain copy (only CUDA is known to be sync-free here)
         staged.values = vector.cpu()
+
+
+class _PinnedPool:
+    """Pinned host buffers by size, reused from step to step: a step has one of a few sizes (sampled or not), so
+    after the first steps no pinned memory is allocated (``cudaHostAlloc`` is slow and may synchronise)."""
+
+    KEEP = 8
+    """Free buffers kept per size (more are left to the caching host allocator)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A pinned 1-D buffer of ``numel`` elements (reused when one is free)."""
+        with self._lock:
+            free = self._free.get((numel, dtype))
+            if free:
+                return free.pop()
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """Return a buffer whose copy has completed and whose values were read."""
+        with self._lock:
+            free = self._free.setdefault((buffer.numel(), buffer.dtype), [])
+            if len(free) < self.KEEP:
+                free.append(buffer)
+
+
+_PINNED = _PinnedPool()
 
 
 class Reader:

@@ -3,17 +3,21 @@
 Every function here returns device tensors and never reads a value on the host (no ``.item()``, no ``float()``,
 no ``if tensor``), so the hooks can call them on the training thread of a CUDA job without stalling it.
 
-Counting non-finite gradient elements (``nonfinite_grads``) needs one extra pass over the gradients: a tensor's
-norm says *whether* it holds a non-finite element, but choosing to count only those tensors would need the norm on
-the host (a sync). :func:`nonfinite_count` therefore counts in every tensor, fused with ``torch._foreach_*``:
-``g * 0`` is 0 for finite elements and NaN for NaN/Inf, and the L0 "norm" (number of non-zero elements, NaN
-counts as non-zero) of that product is the count. The products are made in chunks of at most
-:data:`COUNT_CHUNK_ELEMENTS` elements, so the temporary memory is bounded. Measured on the CPU (torch 2.13, 1
-thread, the 53 gradient tensors / 3.7M elements of the 4-layer d=256 model of ``bench/bench_overhead.py``, whose
-step takes ~280 ms): ``_foreach_norm`` 0.37 ms; this count 2.8-2.9 ms (~1 % of the step, most of the capture's
-per-step cost there); a per-tensor ``(~isfinite(g)).sum()`` loop 6.9 ms; ``isnan(g).sum()`` alone 2.8 ms and it
-misses Inf. On a GPU all of these are memory-bound passes over the gradients (the count reads them once and
-writes/reads one temporary), small next to a forward/backward pass.
+Counting non-finite gradient elements (``nonfinite_grads``) takes no extra pass on a normal step: a tensor's L2
+norm is NaN/Inf iff the tensor holds a NaN/Inf element, so the global norm the capture computes anyway (from the
+per-tensor norms of one fused ``torch._foreach_norm``) says *whether* any element is non-finite. Only when it says
+so is the count made (:func:`nonfinite_count`, one fused extra pass; the count is 0 exactly otherwise).
+Deciding needs the flag on the host: on the CPU the values are already there (reading them waits for nothing), so
+the count runs only on flagged steps (:func:`host_reads_free`). On an accelerator reading it would be a
+host-device sync, so there the count runs on every step (a memory-bound pass, small next to a step on a GPU).
+
+:func:`nonfinite_count` multiplies by zero with ``torch._foreach_*`` (``g * 0`` is 0 for finite elements and NaN
+for NaN/Inf) and takes the L0 "norm" (number of non-zero elements, NaN counts as non-zero) of the product, in
+chunks of at most :data:`COUNT_CHUNK_ELEMENTS` elements so the temporary memory is bounded. Measured on the CPU
+(torch 2.13, 1 thread, the 53 gradient tensors / 3.7M elements of the 4-layer d=256 model of
+``bench/bench_overhead.py``, whose step takes ~280 ms): ``_foreach_norm`` 0.37 ms; this count 2.8-2.9 ms (~1 % of
+the step: most of the capture's per-step cost before the count became conditional); a per-tensor
+``(~isfinite(g)).sum()`` loop 6.9 ms; ``isnan(g).sum()`` alone 2.8 ms and it misses Inf.
 """
 
 from __future__ import annotations
@@ -25,13 +29,17 @@ import torch
 __all__ = [
     "COUNT_CHUNK_ELEMENTS",
     "activation_stats",
+    "activation_summary",
     "adam_lag",
     "first_float_tensor",
+    "host_reads_free",
     "logit_z",
     "logits_of",
     "nonfinite_count",
+    "nonfinite_given_norm",
     "segment_sum",
     "tensor_norms",
+    "tensor_sums",
     "to_device",
 ]
 
@@ -39,6 +47,16 @@ COUNT_CHUNK_ELEMENTS = 1 << 26
 """At most this many gradient elements are multiplied at once by :func:`nonfinite_count` (bounded temp memory)."""
 _FLOAT32_EXACT = 1 << 24
 """Counts up to this are exact in float32; chunks with a larger tensor count in float64 (30% slower on the CPU)."""
+
+
+CPU_READS_FREE = True
+"""Whether :func:`host_reads_free` says yes for the CPU (the tests' host-read trap turns it off to run the
+accelerator code paths on the CPU)."""
+
+
+def host_reads_free(device: torch.device) -> bool:
+    """True when reading a value of a tensor on ``device`` on the host waits for nothing (the CPU)."""
+    return device.type == "cpu" and CPU_READS_FREE
 
 
 def tensor_norms(tensors: Sequence[torch.Tensor | None], out: torch.device, ord: float = 2.0) -> torch.Tensor:
@@ -52,6 +70,8 @@ def tensor_norms(tensors: Sequence[torch.Tensor | None], out: torch.device, ord:
     Returns:
         A float32 vector of ``len(tensors)`` norms.
     """
+    if tensors and all(t is not None and t.device == out for t in tensors):  # the usual case: one fused pass
+        return torch.stack(torch._foreach_norm(tensors, ord, dtype=torch.float32))  # type: ignore[misc,arg-type]
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         if t is not None:
@@ -65,6 +85,14 @@ def tensor_norms(tensors: Sequence[torch.Tensor | None], out: torch.device, ord:
         return torch.zeros(0, dtype=torch.float32, device=out)
     zero = torch.zeros((), dtype=torch.float32, device=out)
     return torch.stack([zero if n is None else n for n in norms])
+
+
+def tensor_sums(tensors: Sequence[torch.Tensor | None], out: torch.device) -> torch.Tensor:
+    """Per-tensor sums as one float32 vector on ``out`` (0 for None): the L1 norms of non-negative tensors (Adam's
+    ``exp_avg_sq``) without the ``|x|`` that ``_foreach_norm(ord=1)`` computes (measured 2-5x slower on the CPU)."""
+    zero = torch.zeros((), dtype=torch.float32, device=out)
+    sums = [zero if t is None else t.sum(dtype=torch.float32).to(out, non_blocking=True) for t in tensors]
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float32, device=out)
 
 
 def nonfinite_count(tensors: Sequence[torch.Tensor | None], out: torch.device) -> torch.Tensor:
@@ -83,6 +111,18 @@ def nonfinite_count(tensors: Sequence[torch.Tensor | None], out: torch.device) -
             total = total + _count_chunk(chunk, out)
             chunk, size = [], 0
     return total
+
+
+def nonfinite_given_norm(tensors: Sequence[torch.Tensor | None], total_norm: torch.Tensor,
+                         out: torch.device) -> torch.Tensor:
+    """``nonfinite_grads`` as a 1-element int64 tensor on ``out``, given the L2 norm over all ``tensors``.
+
+    Where host reads are free (the CPU) and the norm is finite, every element is finite: 0, with no pass over the
+    tensors. Otherwise the elements are counted (:func:`nonfinite_count`). Exact either way.
+    """
+    if host_reads_free(total_norm.device) and bool(torch.isfinite(total_norm)):
+        return torch.zeros(1, dtype=torch.int64, device=out)
+    return nonfinite_count(tensors, out).reshape(1)
 
 
 def _count_chunk(chunk: list[torch.Tensor], out: torch.device) -> torch.Tensor:
@@ -111,7 +151,7 @@ def adam_lag(grads: Sequence[torch.Tensor | None], exp_avg_sqs: Sequence[torch.T
     nothing. ``steps`` may be device tensors (capturable / fused Adam): they are used on the device, not read.
     """
     g2 = tensor_norms(grads, out).square()
-    v1 = tensor_norms(exp_avg_sqs, out, ord=1.0)
+    v1 = tensor_sums(exp_avg_sqs, out)
     b2 = to_device(torch.tensor(list(beta2), dtype=torch.float32), out)
     counts = [s.detach().reshape(()).to(torch.float32) if isinstance(s, torch.Tensor)
               else torch.tensor(0.0 if s is None else float(s)) for s in steps]
@@ -162,11 +202,25 @@ def first_float_tensor(output: object) -> torch.Tensor | None:
 
 
 def activation_stats(x: torch.Tensor) -> torch.Tensor:
-    """``[max |x|, mean(x**2)]`` of an activation as a float32 vector (two reductions, no ``std_mean``)."""
+    """``[min(x), max(x), mean(x**2)]`` of an activation as a float32 vector (``max |x|`` is the larger of the
+    second and minus the first). Two passes, no temporary of the size of ``x``: ``aminmax`` is ~3x faster than
+    ``x.abs().amax()`` on the CPU; no ``std_mean``."""
     x = x.detach()
-    absmax = x.abs().amax().to(torch.float32)
-    sq_norm = torch.linalg.vector_norm(x, 2, dtype=torch.float32).square()
-    return torch.stack([absmax, sq_norm / x.numel()])
+    low_high = torch.stack(torch.aminmax(x)).to(torch.float32)
+    mean_sq = torch.linalg.vector_norm(x, 2, dtype=torch.float32).square_().div_(x.numel()).reshape(1)
+    return torch.cat((low_high, mean_sq))
+
+
+def activation_summary(calls: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per module, from the :func:`activation_stats` of its forward calls this step: ``max |x|`` over the calls
+    and the root of the mean of their ``mean(x**2)`` (two vectors, one value per module)."""
+    if all(len(c) == 1 for c in calls):  # one forward pass per step: a handful of ops for all modules together
+        table = torch.stack([c[0] for c in calls])
+        return torch.maximum(table[:, 1], table[:, 0].neg()), table[:, 2].sqrt()
+    tables = [torch.stack(list(c)) for c in calls]
+    absmax = torch.stack([torch.maximum(t[:, 1].amax(), t[:, 0].amin().neg()) for t in tables])
+    rms = torch.stack([t[:, 2].mean() for t in tables]).sqrt()
+    return absmax, rms
 
 
 def logits_of(output: object) -> torch.Tensor | None:

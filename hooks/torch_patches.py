@@ -15,7 +15,9 @@ Some of what the capture needs has no hook in torch, so a few functions are wrap
 * ``torch.nn.utils.clip_grad_norm_`` (the same function as ``torch.nn.utils.clip_grad.clip_grad_norm_``): gradient
   statistics are taken *before* clipping; listeners also hear when it returned. Code that bound the function
   before the patch (``from torch.nn.utils import clip_grad_norm_`` executed earlier) calls the original;
-  gradients are then measured at the optimizer pre-step hook, i.e. after clipping.
+  gradients are then measured at the optimizer pre-step hook, i.e. after clipping. For the common call (L2,
+  float32 gradients on one device) the wrapper computes the per-tensor norms once, hands them to the listeners
+  and clips with torch's own ``clip_grads_with_norm_``: one pass over the gradients instead of two.
 
 The patches are installed when the first :class:`PatchListener` subscribes and removed when the last one
 unsubscribes; the wrappers call the original unchanged and report to the listeners, which must not raise. A
@@ -34,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from stability.hooks import stats
 
 __all__ = ["PatchListener", "installed", "subscribe", "unsubscribe"]
 
@@ -58,8 +62,10 @@ class PatchListener(Protocol):
     def on_scale(self, scaler: Any, output: torch.Tensor) -> None:
         """``scaler.scale(loss)`` returned ``output``."""
 
-    def before_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor]) -> None:
-        """``clip_grad_norm_(parameters, ...)`` is about to run."""
+    def before_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor], norms: torch.Tensor | None) -> None:
+        """``clip_grad_norm_(parameters, ...)`` is about to run; ``norms``: the per-tensor L2 norms of the
+        gradients (aligned with ``parameters``, 0 for a missing gradient) that the clipping will use, when the patch
+        computed them once for both (see :func:`_norms_once`), else None."""
 
     def before_scaler_step(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
         """``scaler.step(optimizer)`` is about to run."""
@@ -216,16 +222,56 @@ def _wrap_scaler_step(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_clip(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        if _listeners:
-            if not isinstance(parameters, torch.Tensor):
-                parameters = list(parameters)  # a generator can be consumed only once
-            _notify("before_clip", parameters)
-        result = original(parameters, *args, **kwargs)
-        if _listeners:
-            _notify("after_clip", parameters)
+        if not _listeners:
+            return original(parameters, *args, **kwargs)
+        if not isinstance(parameters, torch.Tensor):
+            parameters = list(parameters)  # a generator can be consumed only once
+        shared = _norms_once(parameters, args, kwargs)
+        _notify("before_clip", parameters, None if shared is None else shared[0])
+        if shared is None:
+            result = original(parameters, *args, **kwargs)
+        else:
+            _norms, total, max_norm, foreach = shared
+            assert _clip_with_norm is not None
+            _clip_with_norm(parameters, max_norm, total, foreach)
+            result = total
+        _notify("after_clip", parameters)
         return result
 
     return clip_grad_norm_
+
+
+_clip_with_norm: Callable[..., None] | None = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
+_CLIP_PARAMS = ("max_norm", "norm_type", "error_if_nonfinite", "foreach")
+
+
+def _norms_once(parameters: torch.Tensor | list[torch.Tensor], args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, float, bool | None] | None:
+    """For the common call (L2 norm, ``error_if_nonfinite=False``, float32 gradients on one device, a torch with
+    ``clip_grads_with_norm_``): the per-tensor gradient norms (aligned with ``parameters``, 0 where a gradient is
+    None, one fused ``torch._foreach_norm``), their total as ``clip_grad_norm_`` computes it, ``max_norm`` and
+    ``foreach``, so the listeners and the clipping share one pass over the gradients. None otherwise (the original
+    function then runs as is)."""
+    if _clip_with_norm is None or len(args) > len(_CLIP_PARAMS) or any(k not in _CLIP_PARAMS for k in kwargs):
+        return None
+    bound = dict(zip(_CLIP_PARAMS, args, strict=False))
+    if any(k in bound for k in kwargs):
+        return None
+    bound.update(kwargs)
+    if "max_norm" not in bound or bound.get("error_if_nonfinite", False) or float(bound.get("norm_type", 2.0)) != 2.0:
+        return None
+    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+    grads = [p.grad for p in params]
+    present = [g for g in grads if g is not None]
+    if not present:
+        return None
+    device = present[0].device
+    if any(g.dtype != torch.float32 or g.device != device or g.is_sparse for g in present):
+        return None
+    with torch.no_grad():
+        norms = stats.tensor_norms(grads, device)
+        total = torch.linalg.vector_norm(norms, 2.0)
+    return norms, total, bound["max_norm"], bound.get("foreach")
 
 
 def _wrap_zero_grad(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -95,11 +95,15 @@ class Handle:
         if src is not None:
             src.emitter.flush(timeout)
 
-    def close(self, timeout: float = 60.0, *, died: str | None = None) -> None:
+    def close(self, timeout: float = 60.0, *, died: str | None = None, wait_drained: bool = True,
+              flush_s: float | None = None) -> None:
         """Detach all hooks, flush every record, and stop the embedded Redis and local worker if we own them.
 
         ``died``: the process is ending abnormally (e.g. ``"ValueError: ..."`` of an uncaught exception); the run
         is then recorded as died at its last step instead of finished.
+        ``wait_drained=False`` (what ``import stability.auto`` does at exit): wait only for the records to reach
+        Redis (at most ``flush_s`` seconds, default :data:`stability.session.EXIT_FLUSH_S`); the local worker
+        finishes the run after this process has gone (findings.json and report.html a little later), then stops.
         """
         _sigterm.uninstall()
         capture, self.capture = self.capture, None
@@ -109,7 +113,7 @@ class Handle:
                 frameworks.uninstall()
             capture.close(timeout=min(timeout, 10.0))
         if session is not None:
-            closed = session.close(timeout=timeout, died=died)
+            closed = session.close(timeout=timeout, died=died, wait_drained=wait_drained, flush_s=flush_s)
             self._closed_session = closed if isinstance(session, LazySession) else session
 
     def terminate(self, reason: str, timeout: float = 5.0) -> None:

@@ -4,15 +4,23 @@ Configuration comes from ``STABILITY_*`` environment variables (see :mod:`stabil
 ``stability.auto.handle`` and is closed (everything flushed) at interpreter exit. Nothing here may crash the
 training script: any failure to attach is logged once and stability stays off.
 
-Lazy: the import only installs the hooks. The run directory, the embedded Redis and the local worker are created
-on the first training step (the capture's first record), on a background thread while the records wait in a
-buffer; a process that imports stability but never trains starts nothing.
+Lazy: the import only installs the hooks (redis-py, the transport and the console are imported when the session
+opens). The run directory, the embedded Redis and the local worker are created on the first training step (the
+capture's first record), on a background thread while the records wait in a buffer; a process that imports
+stability but never trains starts nothing.
+
+Fast exit: at interpreter exit the handle waits only for the records to reach Redis (at most
+``STABILITY_EXIT_FLUSH_S`` seconds, default 1), records the run's end and prints the summary line; the local
+worker finishes the diagnosis after the process has gone (findings.json and report.html appear in the run
+directory shortly after), then the supervisor stops it and redis-server. ``STABILITY_EXIT_WAIT_DRAIN=1`` makes the
+exit wait for the worker instead (the report exists when the process ends).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 
 from stability._watch import Handle, watch
@@ -22,6 +30,24 @@ __all__ = ["handle"]
 log = logging.getLogger(__name__)
 
 handle: Handle | None = None
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_seconds(name: str) -> float | None:
+    """A non-negative number of seconds from the environment; None (the default) when unset or invalid."""
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = float(raw) if raw else None
+    except ValueError:
+        value = None
+    if raw and (value is None or value < 0):
+        log.warning("stability: %s=%r is not a number of seconds; using the default", name, raw)
+        return None
+    return value
+
 
 try:
     handle = watch(lazy=True)
@@ -34,6 +60,8 @@ else:
         """Close the handle; after an uncaught exception (Python sets ``sys.last_value`` before the atexit handlers
         run) the run is recorded as died, with the exception, instead of finished."""
         error = getattr(sys, "last_value", None)
-        handle.close(died=f"{type(error).__name__}: {error}"[:300] if error is not None else None)
+        handle.close(died=f"{type(error).__name__}: {error}"[:300] if error is not None else None,
+                     wait_drained=_env_flag("STABILITY_EXIT_WAIT_DRAIN"),
+                     flush_s=_env_seconds("STABILITY_EXIT_FLUSH_S"))
 
     atexit.register(_close_at_exit)

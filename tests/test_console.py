@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stability import keys
+from stability import keys, supervisor
 from stability.console import BURST, ConsoleReporter, alert_line, display_remedy, summary_line
 from stability.detectors.base import CauseHint, Finding, Severity
 from stability.detectors.causes import remedy
@@ -39,6 +39,8 @@ def _train(tmp_path: Path, steps: int, fault_step: int, **extra: str) -> subproc
     proc = subprocess.run([sys.executable, str(script)], env=_env(tmp_path, **extra), cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if "STABILITY_RUN_DIR" in extra:  # the local worker finishes the run after the fast exit
+        assert supervisor.wait_stopped(Path(extra["STABILITY_RUN_DIR"]), 240)
     return proc
 
 

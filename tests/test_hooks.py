@@ -131,7 +131,12 @@ def test_logits_are_taken_only_where_the_output_exposes_them():
 
 def test_activation_stats_are_absmax_and_mean_square():
     x = torch.tensor([[1.0, -3.0], [2.0, 0.0]])
-    assert stats.activation_stats(x).tolist() == pytest.approx([3.0, 14.0 / 4])
+    assert stats.activation_stats(x).tolist() == pytest.approx([-3.0, 2.0, 14.0 / 4])
+    y = torch.tensor([4.0, 0.0])
+    absmax, rms = stats.activation_summary([[stats.activation_stats(x)], [stats.activation_stats(y)]])
+    assert absmax.tolist() == [3.0, 4.0] and rms.tolist() == pytest.approx([(14.0 / 4) ** 0.5, 8.0**0.5])
+    absmax, rms = stats.activation_summary([[stats.activation_stats(x), stats.activation_stats(y)]])  # two calls
+    assert absmax.tolist() == [4.0] and rms.tolist() == pytest.approx([((14.0 / 4 + 8.0) / 2) ** 0.5])
 
 
 # ---------------------------------------------------------------------------------------------------- layout
@@ -407,7 +412,11 @@ SYNC_METHODS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "
 
 
 def trap_host_reads(monkeypatch) -> list[str]:
-    """Make every host read of a tensor value fail while stability hook code runs on this (training) thread."""
+    """Make every host read of a tensor value fail while stability hook code runs on this (training) thread.
+
+    The capture reads CPU values where that waits for nothing (``stats.host_reads_free``: whether to count
+    non-finite gradient elements); the trap turns that off, so the code paths of an accelerator run here."""
+    monkeypatch.setattr(stats, "CPU_READS_FREE", False)
     violations: list[str] = []
     training_thread = threading.current_thread()
     for name in SYNC_METHODS:
@@ -547,3 +556,138 @@ def test_a_cuda_loop_without_optimizer_has_no_sync_in_hooks():
     capture.close()
     assert capture.errors == 0 and len(sink) == 4
     assert all(math.isfinite(r.get("grad_norm")) for r in sink.records)
+
+
+# ------------------------------------------------------------------------------ cost: no extra pass on normal steps
+
+
+@pytest.mark.parametrize("cpu_reads", [True, False], ids=["cpu-reads", "accelerator-path"])
+def test_nonfinite_count_is_exact_and_runs_only_on_flagged_steps_where_reads_are_free(monkeypatch, cpu_reads):
+    """The global norm says whether any gradient element is NaN/Inf; the elements are counted only then (on the
+    CPU), or on every step where reading the flag would be a host sync (the accelerator path). Exact either way."""
+    monkeypatch.setattr(stats, "CPU_READS_FREE", cpu_reads)
+    original = stats.nonfinite_count
+    counted: list[int] = []
+    monkeypatch.setattr(stats, "nonfinite_count", lambda ts, out: counted.append(len(ts)) or original(ts, out))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="flag", stats_every=0), sink).attach()
+    expected = []
+    try:
+        for step in range(4):
+            model(torch.randn(6, 4)).sum().backward()
+            if step == 1:
+                model[0].weight.grad[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+            if step == 2:
+                model[2].bias.grad.fill_(float("inf"))  # Inf only: the norm is Inf, not NaN
+            expected.append(sum(int((~torch.isfinite(p.grad)).sum()) for p in model.parameters()))
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.nan_to_num_(0.0, 0.0, 0.0)  # healthy again for the next step
+    finally:
+        capture.close()
+    assert expected == [0, 3, 1, 0]
+    assert [r.get("nonfinite_grads") for r in sink.records] == expected
+    assert len(counted) == (2 if cpu_reads else 4)  # CPU: only the two flagged steps pay for the count
+
+
+def clip_loop(model: nn.Module, steps: int) -> list[torch.Tensor]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    totals = []
+    for step in range(steps):
+        data = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(step))
+        logits = model(data[:, :-1])
+        F.cross_entropy(logits.reshape(-1, VOCAB), data[:, 1:].reshape(-1)).backward()
+        totals.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+        opt.step()
+        opt.zero_grad()
+    return totals
+
+
+def test_clip_grad_norm_path_computes_the_gradient_norms_once_and_clips_like_torch(monkeypatch):
+    """With the capture attached, ``clip_grad_norm_`` reads each gradient once for its norm (the capture and the
+    clipping share the per-tensor norms; torch's ``clip_grads_with_norm_`` clips), and returns the same total and
+    the same clipped parameters as plain torch."""
+    torch.manual_seed(0)
+    plain = tiny_gpt()
+    watched = tiny_gpt()
+    watched.load_state_dict(plain.state_dict())
+    expected = clip_loop(plain, 3)
+
+    per_grad_norms = [0]
+    real_foreach, real_vector = torch._foreach_norm, torch.linalg.vector_norm
+
+    def grads_now() -> set[int]:
+        return {id(p.grad) for p in watched.parameters() if p.grad is not None}
+
+    def foreach_norm(tensors, *args, **kwargs):
+        per_grad_norms[0] += len(grads_now() & {id(t) for t in tensors})
+        return real_foreach(tensors, *args, **kwargs)
+
+    def vector_norm(x, *args, **kwargs):
+        per_grad_norms[0] += id(x) in grads_now()
+        return real_vector(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", foreach_norm)
+    monkeypatch.setattr(torch.linalg, "vector_norm", vector_norm)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="clip", stats_every=0), sink).attach()
+    try:
+        got = clip_loop(watched, 3)
+    finally:
+        capture.close()
+    n = len(list(watched.parameters()))
+    assert per_grad_norms[0] == 3 * n  # once per gradient and step (before: twice, the capture's and torch's)
+    assert [float(t) for t in got] == pytest.approx([float(t) for t in expected], rel=1e-6)
+    for a, b in zip(plain.parameters(), watched.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert [r.get("grad_norm") for r in sink.records] == pytest.approx([float(t) for t in got], rel=1e-6)
+    assert all(float(t) > 0.05 for t in got)  # the clipping acted
+
+
+def test_clip_calls_torch_unchanged_when_the_norms_cannot_be_shared(monkeypatch):
+    """Other norm types, ``error_if_nonfinite`` or unknown arguments go to torch's own function as they are."""
+    calls: list[tuple] = []
+    original = torch.nn.utils.clip_grad_norm_
+    capture = Capture(WatchConfig(run_id="clip-other", stats_every=0), ListSink()).attach()
+    try:
+        model = tiny_gpt()
+        model(torch.randint(0, VOCAB, (2, 8))).sum().backward()
+        wrapped = torch.nn.utils.clip_grad_norm_
+        assert wrapped is not original
+        monkeypatch.setattr(torch_patches, "_clip_with_norm", lambda *a: calls.append(a))
+        largest = max(float(p.grad.abs().max()) for p in model.parameters())
+        total_inf = wrapped(model.parameters(), 1.0, norm_type=float("inf"))
+        total_err = wrapped(model.parameters(), 1.0, 2.0, True)
+        assert calls == []  # neither took the shared-norm path
+        assert float(total_inf) == pytest.approx(largest)
+        assert math.isfinite(float(total_err))
+        wrapped(model.parameters(), 1.0)
+        assert len(calls) == 1
+    finally:
+        capture.close()
+
+
+def test_snapshot_buffers_are_reused_across_sampled_steps():
+    """Update ratios copy the parameters into buffers kept by the capture, not into fresh tensors each time."""
+    model = tiny_gpt()
+    capture = Capture(WatchConfig(run_id="snap", stats_every=1), ListSink()).attach(model)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        seen = []
+        for step in range(3):
+            data = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(step))
+            F.cross_entropy(model(data[:, :-1]).reshape(-1, VOCAB), data[:, 1:].reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+            kept = capture._snapshot_buffers
+            assert kept is not None
+            seen.append([t.data_ptr() for t in kept[1]])
+        capture.flush()
+    finally:
+        capture.close()
+    assert seen[0] == seen[1] == seen[2]

@@ -8,6 +8,7 @@ SIGTERM / SIGKILL, or failing with an exception; the processes it started are fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from stability import _sigterm, keys, runstate
+from stability import _sigterm, keys, runstate, supervisor
 from stability.embedded import RedisServer
 
 pytestmark = pytest.mark.slow
@@ -49,6 +50,8 @@ SCRIPT = textwrap.dedent("""
             if os.environ.get("RAISE"):
                 raise RuntimeError("boom at step %d" % step)
         time.sleep(float(os.environ.get("SLEEP", "0.02")))
+        if os.path.exists(os.environ.get("STOP", "/nonexistent")):
+            break
 """)
 
 
@@ -153,6 +156,7 @@ def test_killed_training_leaves_no_process_and_gets_its_report(tmp_path: Path, s
 def test_exception_records_died_and_clean_stop(tmp_path: Path) -> None:
     proc, run_dir, _marker = _start(tmp_path, RAISE="1", SLEEP="0")
     assert proc.wait(240) == 1
+    assert supervisor.wait_stopped(run_dir, 240)  # the worker finishes the run after the fast exit
     assert "RuntimeError: boom" in (tmp_path / "train.log").read_text()
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "died"
@@ -165,9 +169,45 @@ def test_exception_records_died_and_clean_stop(tmp_path: Path) -> None:
 def test_clean_end_is_finished(tmp_path: Path) -> None:
     proc, run_dir, _marker = _start(tmp_path, STEPS="40", NAN_AT="-1", MARK_AT="-1", SLEEP="0")
     assert proc.wait(240) == 0
+    assert supervisor.wait_stopped(run_dir, 240)
     status = json.loads((run_dir / "status.json").read_text())
     assert (status["status"], status["step"]) == ("finished", 39)
     assert _findings(run_dir)["steps"] == 40
+
+
+def test_exit_waits_for_the_records_not_for_the_worker(tmp_path: Path) -> None:
+    """``import stability.auto`` exits once its records are in Redis: with the local worker frozen (SIGSTOP) the
+    training process still ends within seconds (before: it waited up to 60 s for the drain), and the worker,
+    thawed after the process has gone, still writes the findings of every step; then everything stops."""
+    stop = tmp_path / "stop"
+    proc, run_dir, marker = _start(tmp_path, STOP=str(stop))
+    workers: list[int] = []
+    try:
+        started = _started_processes(proc, marker)
+        workers = [pid for pid, cmd in started.items() if "stability.worker" in cmd]
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        stop.touch()
+        asked = time.monotonic()
+        assert proc.wait(120) == 0
+        exit_s = time.monotonic() - asked
+        assert exit_s < 30, f"the exit took {exit_s:.1f} s: it waited for the worker"
+        assert not (run_dir / "findings.json").exists()  # the frozen worker cannot have finished the run
+        status = json.loads((run_dir / "status.json").read_text())
+        assert status["status"] == "finished"
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert supervisor.wait_stopped(run_dir, 240)
+    _wait(lambda: not any(_alive(pid) for pid in started), 120, "the worker and redis-server to stop")
+    findings = _findings(run_dir)
+    assert findings["steps"] == status["step"] + 1 and findings["steps"] > MARK_AT
+    assert any(e["kind"] == "nan" for e in findings["events"])  # type: ignore[union-attr]
+    assert "has exited; run lifecycle-run finished" in (run_dir / "worker.log").read_text()
 
 
 def test_killed_supervisor_takes_redis_and_worker_with_it(tmp_path: Path) -> None:

@@ -205,6 +205,7 @@ def test_ddp_two_cpu_processes(tmp_path: Path) -> None:
 
 def test_ddp_under_stability_auto_with_embedded_redis(tmp_path: Path) -> None:
     """The one-import path with Lightning DDP: both ranks land in one run, in their own streams, all steps kept."""
+    from stability import supervisor
     from stability.postmortem import load_run_dir
 
     script = Path(__file__).with_name("_lightning_ddp_auto.py")
@@ -216,6 +217,7 @@ def test_ddp_under_stability_auto_with_embedded_redis(tmp_path: Path) -> None:
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert supervisor.wait_stopped(tmp_path / "run", 240)  # the local worker drains after the fast exit
     records = load_run_dir(tmp_path / "run")
     assert sorted((r.rank, r.step) for r in records) == [(rank, s) for rank in (0, 1) for s in range(5)]
     assert {r.run_id for r in records} == {records[0].run_id}

@@ -38,6 +38,34 @@ def test_training_side_import_is_light(tmp_path: Path, redis_server) -> None:
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
 
 
+def test_cli_import_and_help_are_lazy(tmp_path: Path) -> None:
+    """`stability --help` answers without torch, Celery, W&B or redis-py (what made it take seconds)."""
+    code = (
+        "import sys, json, stability.cli\n"
+        "assert 'torch' not in sys.modules\n"
+        "try:\n    stability.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(json.dumps([m for m in ('torch', 'celery', 'wandb', 'redis') if m in sys.modules]))\n"
+    )
+    proc = _run(code, {}, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: stability" in proc.stdout
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_auto_import_defers_redis_until_the_first_step(tmp_path: Path) -> None:
+    """`import stability.auto` installs hooks only: redis-py, the transport and the console are imported by the
+    session, which opens on the first training step (in the background)."""
+    code = (
+        "import sys, stability.auto as a\n"
+        "assert a.handle is not None and a.handle.active\n"
+        "print([m for m in ('redis', 'stability.transport', 'stability.console') if m in sys.modules])\n"
+    )
+    proc = _run(code, {"STABILITY_RUN_DIR": str(tmp_path / "run")}, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    assert not (tmp_path / "run").exists()
+
+
 def test_disabled_attaches_nothing(tmp_path: Path) -> None:
     code = "import stability.auto as a, torch\nprint(a.handle.active, torch.Tensor.backward.__module__)\n"
     proc = _run(code, {"STABILITY_DISABLE": "1"}, tmp_path)

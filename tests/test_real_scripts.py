@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from stability import postmortem
+from stability import postmortem, supervisor
 from stability.records import StepRecord
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -74,6 +74,7 @@ def _run(tmp_path: Path, script: Script, fault: str, *extra: str) -> Run:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "error in hook" not in proc.stderr, proc.stderr[-3000:]
+    assert supervisor.wait_stopped(run_dir, 240)  # the local worker finishes the run after the process exits
     records = postmortem.load_run_dir(run_dir)
     result = postmortem.analyze(records, records[0].run_id)
     return Run(proc, records, result.events, run_dir)
