@@ -12,11 +12,11 @@ Per rank, on ``step_time`` (and ``data_time`` when recorded):
 * ``spike_count`` (3) irregular outliers within ``spike_window`` (200) steps (one alone may be the first of a
   recurring series) -> ``dataloader_stall`` when most of them spent most (>= ``data_share``, half) of their
   excess waiting for data (``data_time`` above its own median), WARNING when their median ratio is ``>= warn_stall``
-  (10x), else INFO; otherwise ``step_time_spike`` INFO.
+  (10x) and their median excess ``>= warn_min_s`` (0.25 s), else INFO; otherwise ``step_time_spike`` INFO.
 * **regression**: the median of the last ``persist`` (16) non-outlier steps is ``>= regress_ratio`` (1.3x) the
   median of the ``window`` (128) steps before them -> ``dataloader_stall`` (when data waiting explains at least
   half of the rise) or ``slowdown``: WARNING from ``warn_ratio`` (2x), INFO below; the baseline then restarts from
-  the new level (one alert per change).
+  the new level (one alert per change); a WARNING also needs the rise to be ``>= warn_min_s``.
 
 Silent on records without ``step_time`` (every corpus recorded before the timing hooks). Findings carry the
 medians before / after and the data share in ``evidence``; their cause is named by their kind
@@ -86,6 +86,10 @@ class StepTimeConfig:
     warn_stall: float = 10.0
     """Irregular stalls whose median ratio to the baseline reaches this factor are a WARNING (load jitter makes
     3-5x outliers; a data stall of seconds on sub-second steps is far above)."""
+    warn_min_s: float = 0.25
+    """...and the slow steps' excess over the baseline must reach this many seconds: a 30x pause of a 1 ms CPU step is
+    the OS scheduler or the garbage collector on a busy machine (seen on clean pytorch/examples scripts), not a stall
+    worth a person's attention (it stays an INFO)."""
     gaps: int = 4
     """Gaps between recent outliers remembered (recurring outliers)."""
     gap_tolerance: float = 0.02
@@ -180,7 +184,8 @@ class StepTimeDetector:
                     "data_share": share, "onset": float(spikes[0][0])}
         what = (f"{len(spikes)} irregular slow steps ({steps}; up to {ratio:.1f}x the usual {med:.3g} s, not a "
                 "recurring checkpoint / eval step)")
-        big = sorted(s[1] for s in spikes)[len(spikes) // 2] >= cfg.warn_stall
+        typical = sorted(s[1] for s in spikes)[len(spikes) // 2]
+        big = typical >= cfg.warn_stall and (typical - 1.0) * med >= cfg.warn_min_s
         if 2 * data_driven > len(spikes):
             return [Finding(
                 kind="dataloader_stall", step=step, onset=spikes[0][0],
@@ -204,7 +209,8 @@ class StepTimeDetector:
         self._base.clear()  # the new level is the baseline from now on
         self._base.extend(self._recent)
         self._recent.clear()
-        severity = Severity.WARNING if now >= cfg.warn_ratio * before else Severity.INFO
+        big = now >= cfg.warn_ratio * before and now - before >= cfg.warn_min_s
+        severity = Severity.WARNING if big else Severity.INFO
         if share >= cfg.data_share:
             return Finding(kind="dataloader_stall", step=record.step, onset=onset, severity=severity,
                            signal="data_time", value=data_now, score=now / before, detector=self.name,

@@ -20,6 +20,7 @@ import torch
 
 from stability.cli import main as cli_main
 from stability.config import WatchConfig
+from stability.detectors.base import Severity
 from stability.detectors.engine import DiagnoserConfig, RunDiagnoser
 from stability.detectors.hang import HangConfig
 from stability.detectors.steptime import PERF_KINDS
@@ -78,6 +79,21 @@ def test_injected_dataloader_sleep_is_a_dataloader_stall(tmp_path: Path) -> None
     assert stall and stall[-1].step in stalls and stall[-1].causes[0].cause == "dataloader_stall", found
     assert "waiting for data" in stall[-1].message and stall[-1].causes[0].remedy
     assert not [f for f in found if f.kind in ("slowdown", "memory_leak", "straggler", "hang")], found
+
+
+@pytest.mark.parametrize(("step_s", "warned"), [(0.001, False), (0.02, True)])
+def test_a_stall_is_a_warning_only_when_it_costs_real_time(step_s: float, warned: bool) -> None:
+    """The same 30x irregular data stalls: on 1 ms steps (a busy machine's scheduler pausing a tiny CPU script, seen
+    on a clean pytorch/examples run) an INFO; on 20 ms steps (0.6 s each) a WARNING."""
+    rng = np.random.default_rng(3)
+    records = []
+    for step in range(120):
+        data = 30 * step_s if step in (70, 83, 101) else 0.05 * step_s * float(rng.lognormal(0, 0.1))
+        records.append(StepRecord(run_id="r", step=step, signals={
+            "step_time": data + step_s * float(rng.lognormal(0, 0.05)), "data_time": data}))
+    stalls = [f for f in _diagnose(records) if f.kind == "dataloader_stall"]
+    assert len(stalls) == 1 and stalls[0].step == 101, stalls
+    assert (stalls[0].severity == Severity.WARNING) == warned, stalls
 
 
 def test_recurring_outliers_are_learned_not_alarmed() -> None:
