@@ -102,3 +102,25 @@ def test_quiet_check_settings() -> None:
     with pytest.raises(ConfigError, match="must be >= 0"):
         QuietConfig.from_env({"STABILITY_QUIET_S": "-1"})
     assert QuietCheck(QuietConfig(floor_s=0.0)).sweep(None, ["r"], []) == 0  # off: touches nothing
+
+
+def test_the_worker_sweep_runs_the_check(redis_client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``worker.tasks.sweep`` (what the lease-holding Sweeper calls) publishes the hang; the drain triggers are
+    replaced (they need a Celery broker; the drain is not what is tested here)."""
+    from stability.worker import tasks
+
+    monkeypatch.setenv("STABILITY_QUIET_S", "5")
+    monkeypatch.setattr(tasks, "client", lambda: redis_client)
+    monkeypatch.setattr(tasks, "_trigger", lambda marker, task, *args: 1)
+    tasks.quiet_check.cache_clear()
+    try:
+        now = time.time()
+        _write(redis_client, "live", 0, range(30), now - 100, 1.0)  # last record 71 s ago
+        redis_client.sadd(keys.RUNS, "live")
+        runstate.mark(redis_client, "live", runstate.RUNNING)
+        assert tasks.sweep() == 1  # one drain trigger
+        (hang,) = _hangs(redis_client, "live")
+        assert (hang["rank"], hang["step"]) == (0, 30) and hang["evidence"]["limit_s"] == 5.0
+        assert json.loads(redis_client.get(keys.advice("live")))["kind"] == "hang"  # the advice sink got it too
+    finally:
+        tasks.quiet_check.cache_clear()
