@@ -13,6 +13,8 @@ Per run ``R`` (all keys share the ``stability:{R}`` hash tag, so a Redis Cluster
 * ``stability:{R}:trigger``      marker: a drain task for the run is already queued
 * ``stability:{R}:advice``       JSON: the worker's latest advice (rollback step, batches to skip), read by the guard
 * ``stability:{R}:profile``      JSON: a profile request (steps, id), polled by the training side
+* ``stability:{R}:quiet``        the newest entry id of the silence episode (all ranks quiet while running) the
+  sweep already reported as a hang (:mod:`stability.worker.quiet`)
 * ``stability:{R}:status``       hash: the run's lifecycle status (``status`` running / finished / died, ``step``,
   ``reason``, ``time``, ``host``, ``pid``), see :mod:`stability.runstate`
 
@@ -104,6 +106,11 @@ def profile(run_id: str) -> str:
 def status(run_id: str) -> str:
     """Hash of the run's lifecycle status (running / finished / died at a step), see :mod:`stability.runstate`."""
     return f"{_run(run_id)}:status"
+
+
+def quiet(run_id: str) -> str:
+    """The silence episode (newest entry id) already reported as a hang by the sweep's quiet-run check."""
+    return f"{_run(run_id)}:quiet"
 
 
 SWEEPER = f"{PREFIX}:sweeper"

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stability.console import display_remedy
 from stability.detectors.base import Finding
@@ -56,6 +56,9 @@ from stability.detectors.engine import DiagnoserConfig, Incident, RunDiagnoser
 from stability.errors import RecordError, SourceError
 from stability.records import StepRecord, decode
 from stability.sources import LoadedLog, LogEvent, Segment, SegmentBuilder
+
+if TYPE_CHECKING:
+    from stability.report.artifacts import Artifact
 
 __all__ = [
     "PostmortemResult",
@@ -391,6 +394,10 @@ class PostmortemResult:
     """The source's segments (one per process lifetime; a resume starts a new one), when it has several."""
     log_events: tuple[LogEvent, ...] = ()
     """Events the logs state (fp16 overflows, checkpoint loads, system faults), on the timeline."""
+    artifacts: tuple[Artifact, ...] = ()
+    """Profiler traces and hang stack dumps found in the run directory (:mod:`stability.report.artifacts`)."""
+    performance: tuple[str, ...] = ()
+    """Step time and memory per rank in words (records with the timing hooks' signals only)."""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -409,8 +416,9 @@ class PostmortemResult:
         """One dict per incident (its headline finding, the earliest onset, the end, all kinds)."""
         return [_event(incident) for incident in self.incidents]
 
-    def to_dict(self) -> dict[str, Any]:
-        """The report as plain data (non-finite values as strings)."""
+    def to_dict(self, base: Path | None = None) -> dict[str, Any]:
+        """The report as plain data (non-finite values as strings); artifact paths relative to ``base`` (the
+        directory of the findings file) when given, else absolute."""
         out = {"run_id": self.run_id, "steps": self.steps, "ranks": list(self.ranks), "counts": self.counts,
                "meta": dict(self.meta), "events": self.events}
         if len(self.segments) > 1:
@@ -420,11 +428,15 @@ class PostmortemResult:
             out["log_events"] = [e.to_dict() for e in shown]
             if len(shown) < len(self.log_events):
                 out["log_events_omitted"] = len(self.log_events) - len(shown)
+        if self.performance:
+            out["performance"] = list(self.performance)
+        if self.artifacts:
+            out["artifacts"] = [a.to_dict(base) for a in self.artifacts]
         return out
 
-    def to_json(self) -> str:
-        """The report as strict JSON text: ``{"run_id", "steps", "events": [...]}``."""
-        return json.dumps(self.to_dict(), indent=2, allow_nan=False)
+    def to_json(self, base: Path | None = None) -> str:
+        """The report as strict JSON text: ``{"run_id", "steps", "events": [...]}`` (see :meth:`to_dict`)."""
+        return json.dumps(self.to_dict(base), indent=2, allow_nan=False)
 
 
 MAX_LOG_EVENTS = 200
@@ -469,8 +481,12 @@ def _event(incident: Incident) -> dict[str, Any]:
 
 def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConfig | None = None,
             meta: Mapping[str, str] | None = None, segments: Sequence[Segment] | None = None,
-            events: Sequence[LogEvent] | None = None, progress: bool | None = None) -> PostmortemResult:
+            events: Sequence[LogEvent] | None = None, progress: bool | None = None,
+            run_dir: str | Path | None = None) -> PostmortemResult:
     """Run the detector suite over ``records`` and return the incidents; ``meta`` goes to the report.
+
+    ``run_dir`` (default: ``meta["run_dir"]`` when that directory exists here): where the profiler traces and hang
+    stack dumps the report links are looked for (:func:`stability.report.artifacts.find_artifacts`).
 
     Without ``segments`` the records may come in any order (fed by step, then rank), unless a (rank, step) comes
     twice: then they are taken in the given order and split where a (rank, step) repeats, as a CSV is. With
@@ -516,10 +532,16 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
             log_segments = (Segment(index=0, start=0, stop=len(records), first_step=min(steps),
                                     last_step=max(steps)),)
         incidents, _ = apply_log_context(incidents, records, log_segments, list(events or ()), owner=owner)
+    from stability.report._data import perf_summary
+    from stability.report.artifacts import find_artifacts
+
+    if run_dir is None and (meta or {}).get("run_dir") and Path(str((meta or {})["run_dir"])).is_dir():
+        run_dir = str((meta or {})["run_dir"])
     return PostmortemResult(run_id=run_id, steps=len({r.step for r in records}),
                             ranks=tuple(sorted({r.rank for r in records})), incidents=tuple(incidents),
                             alerts=tuple(alerts), meta=dict(meta or {}), segments=log_segments,
-                            log_events=tuple(events or ()))
+                            log_events=tuple(events or ()), artifacts=find_artifacts(run_dir),
+                            performance=tuple(perf_summary(records)))
 
 
 PROGRESS_MIN_RECORDS = 50_000
@@ -570,11 +592,11 @@ def write_outputs(result: PostmortemResult, records: Sequence[StepRecord], *, js
                   html_out: str | Path | None = None) -> None:
     """Write the findings JSON and/or the HTML report (each through a temporary file, then renamed)."""
     if json_out is not None:
-        _write_text(Path(json_out), result.to_json() + "\n")
+        _write_text(Path(json_out), result.to_json(Path(json_out).parent) + "\n")
     if html_out is not None:
         from stability.report import render_html
 
-        _write_text(Path(html_out), render_html(result, records))
+        _write_text(Path(html_out), render_html(result, records, base=Path(html_out).parent))
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -657,10 +679,12 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
     if damaged:
         meta["damaged_files"] = json.dumps(damaged)
     rid = run_id or (records[0].run_id if records else _run_id_from(source))
+    run_dir = source if _is_run_dir(source) else None
     if log is not None:
-        result = analyze(records, rid, meta=meta, segments=log.segments, events=log.events, progress=progress)
+        result = analyze(records, rid, meta=meta, segments=log.segments, events=log.events, progress=progress,
+                         run_dir=run_dir)
     else:
-        result = analyze(records, rid, meta=meta, progress=progress)
+        result = analyze(records, rid, meta=meta, progress=progress, run_dir=run_dir)
     write_outputs(result, records, json_out=json_out, html_out=html_out)
     return result
 

@@ -67,7 +67,7 @@ def test_report_renders_in_headless_chromium_without_errors(spiked_run: list[Ste
     assert errors == [], errors
     dom = proc.stdout
     # the overview, one evidence plot per detailed incident and the heat maps were drawn by plotly
-    plots = 1 + len(serious[:20]) + dom.count('id="heat-')
+    plots = 1 + len(serious[:20]) + dom.count('id="heat-') + dom.count('id="perf"')  # (+ step time and memory)
     assert dom.count('class="plot js-plotly-plot"') == plots, re.findall(r'<div class="plot[^>]*>', dom)
     assert dom.count('class="main-svg"') >= plots
     assert dom.count('class="hm"') == dom.count('id="heat-') >= 2  # grad norm and update ratio heat maps

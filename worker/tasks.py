@@ -1,5 +1,6 @@
 """Celery tasks: ``sweep`` (every ``STABILITY_SWEEP_S``) triggers ``drain(run_id)`` for each active run, or, for a
-sharded run, ``drain_shard(run_id, shard, size)`` per shard and ``crossrank(run_id, size)`` (:mod:`.shards`).
+sharded run, ``drain_shard(run_id, shard, size)`` per shard and ``crossrank(run_id, size)`` (:mod:`.shards`), then
+checks the active runs for a silence of all ranks while running (a ``hang`` finding, :mod:`.quiet`).
 
 A trigger is cheap and may be lost or duplicated: the drain takes a per-run (per-shard) lease, and the streams hold
 the data. ``sweep`` sends at most one queued task per run or shard (marker key ``keys.trigger`` /
@@ -32,6 +33,7 @@ from stability.worker.advice import AdviceSink
 from stability.worker.app import app, settings
 from stability.worker.crossrank_stage import CrossRankStage
 from stability.worker.drain import Drainer, DrainResult, SnapshotPolicy
+from stability.worker.quiet import QuietCheck, QuietConfig
 from stability.worker.shards import ShardDrainer, decide_shard_size, run_ranks, shards_of
 from stability.worker.sinks import ArchiveSink, ConsoleSink, RedisFindingsSink, ReportSink, Sink, redis_meta
 from stability.worker.wandb_sink import WandbSink, _RunState
@@ -55,6 +57,13 @@ def sinks() -> list[Sink]:
     # order matters at the end of a run: the archive is compacted and the W&B URL stored before the report is made
     return [ConsoleSink(), RedisFindingsSink(client()), ArchiveSink(meta), AdviceSink(client()), _LinkedWandbSink(meta),
             ReportSink(meta, client())]
+
+
+@functools.cache
+def quiet_check() -> tuple[QuietCheck, list[Sink]]:
+    """The sweep's quiet-run hang check (:mod:`.quiet`, ``STABILITY_QUIET_S``) and the sinks it publishes through:
+    console, Redis findings and advice (the W&B sink's diagnosis run lives in the draining processes)."""
+    return QuietCheck(QuietConfig.from_env()), [ConsoleSink(), RedisFindingsSink(client()), AdviceSink(client())]
 
 
 class _LinkedWandbSink(WandbSink):
@@ -104,6 +113,8 @@ def sweep() -> int:
         for shard in shards_of(run_ranks(client(), run_id), size):
             sent += _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size)
         sent += _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size)
+    check, quiet_sinks = quiet_check()
+    check.sweep(client(), [raw.decode() for raw in sorted(members)], quiet_sinks)  # all ranks silent: a hang
     return sent
 
 

@@ -17,7 +17,8 @@ import numpy as np
 
 from stability.records import StepRecord
 
-__all__ = ["MAX_POINTS", "heatmap", "incident_window", "latest_per_step", "overview", "series"]
+__all__ = ["MAX_POINTS", "PERF_RANKS", "heatmap", "incident_window", "latest_per_step", "overview", "performance",
+           "series"]
 
 MAX_POINTS = 4000
 """The overview plots at most about this many points per series."""
@@ -206,3 +207,58 @@ def heatmap(records: Sequence[StepRecord], event: Mapping[str, Any], prefix: str
 def base_signals() -> tuple[str, ...]:
     """Signals the overview plots."""
     return _BASE
+
+
+TIMING_SIGNALS = ("step_time", "data_time", "compute_time", "device_step_time")
+"""Step-time timeline signals (seconds, :mod:`stability.hooks.timing`)."""
+MEMORY_SIGNALS = ("host_rss", "host_mem_limit", "mem_allocated", "mem_reserved", "mem_peak", "mem_limit")
+"""Memory timeline signals (bytes): host RSS and its limit, CUDA allocated / reserved / peak and the device total."""
+PERF_RANKS = 8
+"""The step-time and memory timelines show at most this many ranks (those with performance incidents first)."""
+
+
+def performance(records: Sequence[StepRecord], ranks: Sequence[int]) -> dict[str, Any] | None:
+    """The step-time and memory timelines of ``ranks`` (``{"ranks": [...], "series": {rank: {name: [steps,
+    values]}}}``, thinned like the overview); None when no record carries a timing or memory signal (a run without
+    the timing hooks: the report stays as it was)."""
+    names = (*TIMING_SIGNALS, *MEMORY_SIGNALS)
+    out: dict[str, Any] = {"ranks": [], "series": {}}
+    for rank in ranks:
+        recs = by_rank(records, rank)
+        per: dict[str, Any] = {}
+        for name in names:
+            s, v = series(recs, name)
+            if s:
+                per[name] = _thin(s, v)
+        if per:
+            out["ranks"].append(rank)
+            out["series"][str(rank)] = per
+    return out if out["ranks"] else None
+
+
+def perf_summary(records: Sequence[StepRecord]) -> list[str]:
+    """One line per rank (at most :data:`PERF_RANKS`): median and worst step time, data-time share, host RSS first
+    -> last and peak device memory, for the text report; empty without timing or memory signals."""
+    lines = []
+    for rank in sorted({r.rank for r in records})[:PERF_RANKS]:
+        recs = by_rank(records, rank)
+        parts = []
+        steps, times = series(recs, "step_time")
+        ok = [(s, t) for s, t in zip(steps, times, strict=True) if math.isfinite(t)]
+        if ok:
+            worst = max(ok, key=lambda p: p[1])
+            parts.append(f"step time median {float(np.median([t for _, t in ok])):.3g} s, max {worst[1]:.3g} s at "
+                         f"step {worst[0]}")
+            _, data = series(recs, "data_time")
+            total = sum(t for _, t in ok)
+            if data and total > 0:
+                parts.append(f"data wait {100 * sum(d for d in data if math.isfinite(d)) / total:.0f} %")
+        _, rss = series(recs, "host_rss")
+        if rss:
+            parts.append(f"host RSS {rss[0] / 2**20:.0f} -> {rss[-1] / 2**20:.0f} MiB")
+        _, peak = series(recs, "mem_peak")
+        if peak:
+            parts.append(f"device peak {max(peak) / 2**30:.2f} GiB")
+        if parts:
+            lines.append(f"rank {rank}: " + ", ".join(parts))
+    return lines

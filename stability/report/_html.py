@@ -2,9 +2,12 @@
 
 Sections: the verdict; the run's aligned, zoomable time series (loss raw + smoothed, LR, grad norm before
 clipping, loss scale with skipped steps, step time) with incidents shaded from onset to end and their rollback
-steps marked; per warning/error incident the ranked causes, the remedy, the batches to skip and the rollback step
-in words, the evidence signals around the onset and per-layer heat maps of robust z-scores (grad norm, update
-ratio) ordered by which layer moved first; all events; the run's metadata.
+steps marked; when the records carry the timing hooks' signals, the step-time (step, data, compute, device time)
+and memory (host RSS vs its limit, CUDA allocated / reserved / peak vs the device total) timelines per rank with the
+performance incidents shaded, and links to the profiler traces and hang stack dumps of the run directory; per
+warning/error incident the ranked causes, the remedy, the batches to skip and the rollback step in words, the
+evidence signals around the onset and per-layer heat maps of robust z-scores (grad norm, update ratio) ordered
+by which layer moved first; all events; the run's metadata.
 """
 
 from __future__ import annotations
@@ -12,17 +15,21 @@ from __future__ import annotations
 import html
 import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from stability import __version__
 from stability.console import display_remedy
+from stability.detectors.steptime import PERF_KINDS
 from stability.postmortem import PostmortemResult
 from stability.records import StepRecord
 from stability.report import _data
 from stability.report._text import cell, plural, rollback_words
+from stability.report.artifacts import Artifact
 
 __all__ = ["plotly_js", "render_html"]
 
@@ -82,13 +89,25 @@ def _payload(result: PostmortemResult, records: Sequence[StepRecord]) -> dict[st
     others = list(dict.fromkeys(e["rank"] for e in events if e["rank"] != shown_rank and e["severity"] != "info"))
     # a resumed run re-logged steps: chart what the later process logged there (the resume is marked)
     plotted = _data.latest_per_step(records) if len(result.segments) > 1 else records
-    return {
+    out = {
         "overview": _data.overview(plotted, shown_rank),
         "other_ranks": [_data.overview(plotted, rank) for rank in others[:4]],
         "resumes": [{"step": seg.first_step, "after": seg.resumed_after} for seg in result.segments[1:]],
         "incidents": incidents,
         "details": {str(i + 1): _incident_data(records, result, i, available) for i in _detailed(events)},
     }
+    perf_events = [i for i, e in enumerate(events) if _is_perf(e)]
+    involved = list(dict.fromkeys([*(events[i]["rank"] for i in perf_events), shown_rank, *result.ranks]))
+    perf = _data.performance(plotted, involved[:_data.PERF_RANKS])
+    if perf is not None:
+        perf["incidents"] = [incidents[i] for i in perf_events]
+        out["perf"] = perf
+    return out
+
+
+def _is_perf(event: Mapping[str, Any]) -> bool:
+    """A step-time / straggler / hang / memory incident (marked on the performance timelines)."""
+    return bool({event["kind"], *event.get("kinds", ())} & PERF_KINDS)
 
 
 _CSS = """
@@ -146,7 +165,8 @@ function stacked(id, rows, incidents, title){
   rows.forEach((row, i) => {
     const ax = i === 0 ? '' : String(i + 1), top = 1 - i * (h + gap);
     layout['yaxis' + ax] = {domain:[Math.max(0, top - h), top], title:{text:row.title, font:{size:11}},
-      type: row.log ? 'log' : 'linear', tickformat: row.log ? '~g' : '', exponentformat:'e', automargin:true};
+      type: row.log ? 'log' : 'linear', tickformat: row.fmt || (row.log ? '~g' : ''), exponentformat:'e',
+      automargin:true};
     for (const t of row.traces){
       data.push(Object.assign({type:'scatter', mode:'lines', xaxis:'x', yaxis:'y' + ax}, t));
     }
@@ -186,6 +206,31 @@ function overviewRows(o, others){
                               traces:[line('step time', s.step_time, {line:{color:'#6b7280', width:1}})]});
   return rows;
 }
+const PALETTE = ['#2563eb', '#dc2626', '#059669', '#d97706', '#7c3aed', '#0891b2', '#db2777', '#4b5563'];
+function perfRows(P){
+  const rows = [];
+  const traces = (names, styles) => {
+    const t = [];
+    P.ranks.forEach((rank, k) => {
+      const s = P.series[String(rank)] || {};
+      names.forEach((name, j) => {
+        if (s[name]) t.push(line('rank ' + rank + ' ' + name, s[name],
+                                 {line:Object.assign({color:PALETTE[k % PALETTE.length], width:1.2}, styles[j])}));
+      });
+    });
+    return t;
+  };
+  const add = (title, names, styles, fmt) => {
+    const t = traces(names, styles);
+    if (t.length) rows.push({title:title, log:false, fmt:fmt, traces:t});
+  };
+  add('step time (s)', ['step_time', 'device_step_time'], [{}, {dash:'dot'}], '');
+  add('data / compute (s)', ['data_time', 'compute_time'], [{dash:'dash'}, {}], '');
+  add('host memory (B)', ['host_rss', 'host_mem_limit'], [{}, {dash:'dash', width:1}], '~s');
+  add('device memory (B)', ['mem_allocated', 'mem_reserved', 'mem_peak', 'mem_limit'],
+      [{}, {dash:'dot'}, {dash:'dashdot'}, {dash:'dash', width:1}], '~s');
+  return rows;
+}
 function heat(id, hm, inc){
   const el = document.getElementById(id);
   if (!el) return;
@@ -211,6 +256,8 @@ function render(){
             'evidence around the onset (steps ' + det.window.lo + ' to ' + det.window.hi + ')');
     det.heatmaps.forEach((hm, k) => heat('heat-' + n + '-' + k, hm, inc));
   }
+  if (D.perf) stacked('perf', perfRows(D.perf), D.perf.incidents,
+                      'step time and memory, rank ' + D.perf.ranks.join(', ') + ' (dashed: limits)');
 }
 render();
 })();
@@ -311,6 +358,39 @@ def _timeline_section(result: PostmortemResult) -> str:
     return f"<h2>Timeline</h2>{segments}{events if result.log_events else ''}"
 
 
+def _perf_section(payload: Mapping[str, Any], artifacts: Sequence[Artifact], base: Path | None) -> str:
+    """The step-time and memory timelines (when the records carry them) and links to the run directory's profiler
+    traces and hang stack dumps; empty for a run with neither."""
+    esc = html.escape
+    chart = ""
+    if "perf" in payload:
+        marked = len(payload["perf"]["incidents"])
+        chart = (f'<p class="muted">Per rank: step, data and compute time; host RSS against the host limit; CUDA '
+                 f'allocated / reserved / peak against the device total. Shaded: '
+                 f'{plural(marked, "performance incident")} (slowdowns, stragglers, data-loader stalls, memory '
+                 f'leaks, hangs).</p><div class="plot" id="perf"></div>')
+    table = ""
+    if artifacts:
+        rows = []
+        for a in artifacts:
+            link = esc(quote(a.link(base).replace(os.sep, "/")))
+            detail = ""
+            if a.summary.get("split_s"):
+                detail = ", ".join(f"{esc(k)} {v:.3g} s" for k, v in a.summary["split_s"].items())
+            if a.summary.get("top_ops"):
+                detail += ("; top: " if detail else "top: ") + ", ".join(
+                    f"{esc(o['name'])} {o['self_s']:.3g} s" for o in a.summary["top_ops"][:3])
+            what = "profiler trace (Chrome JSON, gzipped)" if a.kind == "profile" else "Python stacks"
+            rows.append(f"<tr><td>{esc(a.describe())}</td><td>{what}</td><td><a href=\"{link}\">"
+                        f"{esc(a.path.name)}</a></td><td>{detail or '-'}</td></tr>")
+        table = ('<h3>Profiler traces and hang stack dumps</h3><p class="muted">Found in the run directory; open a '
+                 'trace in Perfetto (ui.perfetto.dev) or chrome://tracing.</p><table><tr><th>what</th><th>kind</th>'
+                 f'<th>file</th><th>summary</th></tr>{"".join(rows)}</table>')
+    if not chart and not table:
+        return ""
+    return f'<h2 id="performance">Step time and memory</h2>{chart}{table}'
+
+
 def _events_table(events: list[dict[str, Any]]) -> str:
     if not events:
         return "<p>No instability detected.</p>"
@@ -325,8 +405,9 @@ def _events_table(events: list[dict[str, Any]]) -> str:
             f"<th>top cause</th><th>rollback</th><th>what</th></tr>{rows}</table>")
 
 
-def render_html(result: PostmortemResult, records: Sequence[StepRecord]) -> str:
-    """The report of ``result`` over ``records`` as one self-contained HTML page."""
+def render_html(result: PostmortemResult, records: Sequence[StepRecord], *, base: Path | None = None) -> str:
+    """The report of ``result`` over ``records`` as one self-contained HTML page; links to the run directory's
+    files are relative to ``base`` (the directory the page is written to), absolute without it."""
     esc = html.escape
     events = result.events
     payload = _payload(result, records)
@@ -348,6 +429,7 @@ def render_html(result: PostmortemResult, records: Sequence[StepRecord]) -> str:
         f'<h2>Time series</h2><p class="muted">Shaded: incidents from onset to end (red: error, amber: warning, '
         f'grey: info); dashed: rollback steps; dotted purple: resumes (where a resume re-logged steps the later '
         f'values are charted). All rows share the step axis.</p><div class="plot" id="overview"></div>'
+        f"{_perf_section(payload, result.artifacts, base)}"
         f"<h2>Incidents</h2>{sections or '<p>No warning or error incident.</p>'}{more}"
         f"<h2>All events</h2>{_events_table(events)}{_timeline_section(result)}"
         f"<h2>Run</h2><table>{meta}</table>"

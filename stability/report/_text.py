@@ -8,7 +8,7 @@ from typing import Any
 from stability.console import display_remedy
 from stability.postmortem import PostmortemResult
 
-__all__ = ["cell", "plural", "render_text", "rollback_words", "timeline_lines"]
+__all__ = ["cell", "plural", "perf_lines", "render_text", "rollback_words", "timeline_lines"]
 
 
 def cell(value: Any) -> str:
@@ -56,13 +56,27 @@ def timeline_lines(result: PostmortemResult) -> list[str]:
     return lines
 
 
+def perf_lines(result: PostmortemResult) -> list[str]:
+    """Step time and memory per rank (when the records carry them) and the run directory's profiler traces and
+    hang stack dumps (paths as found)."""
+    lines = [f"performance: {line}" for line in result.performance]
+    for artifact in result.artifacts:
+        what = "profile trace" if artifact.kind == "profile" else "hang stacks"
+        split = artifact.summary.get("split_s")
+        extra = (" (" + ", ".join(f"{k} {v:.3g} s" for k, v in split.items()) + ")") if split else ""
+        lines.append(f"{what}: {artifact.describe()}: {artifact.path}{extra}")
+    return lines
+
+
 def render_text(result: PostmortemResult) -> str:
-    """A plain-text summary: events table, top causes, remedy and rollback step of each event."""
+    """A plain-text summary: events table, top causes, remedy and rollback step of each event; step time and
+    memory per rank (when recorded); the run directory's profiler traces and hang stack dumps."""
     events = result.events
     serious = [e for e in events if e["severity"] != "info"]
     lines = [f"run {result.run_id}: {plural(result.steps, 'step')}, {plural(len(events), 'event')} "
              f"({len(serious)} warning/error, {len(events) - len(serious)} info)"]
     lines.extend(timeline_lines(result))
+    lines.extend(perf_lines(result))
     if not events:
         lines.append("no instability detected")
         return "\n".join(lines) + "\n"
