@@ -81,8 +81,10 @@ def baseline_lines(result: PostmortemResult) -> list[str]:
     base = result.baseline
     if base is None:
         return []
+    names = list(base["compared"])
+    more = f" (+{len(names) - 12} more)" if len(names) > 12 else ""
     lines = [f"baseline {base['baseline']}: {base['shared_steps']} shared steps "
-             f"({base['first_step']}-{base['last_step']}), signals compared: {', '.join(base['compared']) or 'none'}"]
+             f"({base['first_step']}-{base['last_step']}), signals compared: {', '.join(names[:12])}{more}"]
     if base.get("parts_at") is None:
         lines.append("  the runs do not part: every shared signal stays within its early-step noise band")
         return lines
@@ -94,7 +96,8 @@ def baseline_lines(result: PostmortemResult) -> list[str]:
                      f"(median relative difference {_g(row['rel_diff'])} after, band {_g(row['band'])})")
     same = [row["signal"] for row in base["signals"] if row["parts_at"] is None]
     if same:
-        lines.append(f"  within the band throughout: {', '.join(same)}")
+        more = f" (+{len(same) - 12} more)" if len(same) > 12 else ""
+        lines.append(f"  within the band throughout: {', '.join(same[:12])}{more}")
     return lines
 
 
