@@ -4,12 +4,13 @@ Each segment of a run (one process lifetime, :class:`~stability.sources.Segment`
 the first opens with a zero-length ``restart`` phase. Within a segment:
 
 1. The per-step loss is the median over ranks. The **divergence tail** comes first: from the first non-finite loss
-   after which at least half of the logged losses are non-finite, to the end of the segment (a single NaN that the
-   run recovers from is an incident, not a phase).
+   after which at least half of the logged losses are non-finite, to the end of the segment, when the last loss is
+   non-finite or there are at least 3 (a single NaN that the run recovers from is an incident, not a phase).
 2. The finite part is read as ``y = log(loss)`` (the loss itself when it is not positive), reduced to at most
-   :attr:`PhaseConfig.max_points` bin medians, smoothed by a running median, and cut with PELT (``ruptures``,
-   least-squares cost: level shifts of the smoothed log-loss) with a BIC-like penalty scaled by the noise of the
-   bins (MAD of their differences); a trend comes out as a staircase of small steps that labelling merges back.
+   :attr:`PhaseConfig.max_points` bin medians, smoothed by a running median (not for short excerpts), and cut
+   with PELT (``ruptures``, least-squares cost: level shifts of the smoothed log-loss) with a BIC-like penalty
+   scaled by the noise of the bins (MAD of their differences); a trend comes out as a staircase of small steps that
+   labelling merges back.
 3. Labels, in this order:
 
    * **warm-up** (from the segment's start only): until the LR stops rising (it reaches 95 % of its peak, when
@@ -176,7 +177,7 @@ def segment_phases(records: Sequence[StepRecord], *, segment: int = 0,
         later_bad = np.cumsum(bad[::-1])[::-1]
         remaining = np.arange(len(loss), 0, -1)
         ok = bad & (later_bad * 2 >= remaining)
-        if ok.any():
+        if ok.any() and (bad[-1] or int(bad.sum()) >= 3):  # one Inf the run shrugs off is no divergence
             tail = int(np.argmax(ok))
     finite = np.isfinite(loss[:tail])
     head_steps, head = steps[:tail][finite], loss[:tail][finite]
@@ -230,14 +231,15 @@ def _finite_phases(records: Sequence[StepRecord], steps: np.ndarray, loss: np.nd
     positive = bool((loss > 0).all())
     y = np.log(loss) if positive else loss
     first, last, binned = _bins(steps, y, config.max_points)
-    smooth = _running_median(binned, config.smooth)
+    # a short excerpt is not smoothed: a running median would move its few change points
+    smooth = _running_median(binned, config.smooth if len(binned) >= 20 * config.smooth else 1)
     noise = _noise(binned)
     n = len(smooth)
     warm, warm_why = _warmup_end(records, steps, first, last, smooth, config)
     pieces: list[tuple[int, int]] = [(0, warm)] if warm else []
     if warm < n:
         rest = smooth[warm:]
-        min_size = max(2, min(config.min_size, len(rest) // 2))
+        min_size = max(2, min(config.min_size, len(rest) // 4))
         if len(rest) >= 2 * min_size:
             pen = config.penalty * max(noise, 1e-6) ** 2 * math.log(len(rest))
             cuts = ruptures.Pelt(model="l2", min_size=min_size, jump=1).fit(rest.reshape(-1, 1)).predict(pen=pen)
