@@ -100,3 +100,12 @@ def test_real_nan_run_ends_in_divergence(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "f.json").read_text())
     assert data["phases"][-1]["label"] == "divergence"
     assert "divergence  steps 3010-3070" in render_text(result)
+
+
+@needs_real
+def test_real_excerpts_spike_and_reverting_inf() -> None:
+    tr1 = load_source(REAL / "bigscience_tr1-13B_spike_excerpt.csv")
+    phases = run_phases(tr1.records, tr1.segments)
+    assert labels(phases) == ["stable", "divergence"] and phases[1].first_step == 29050  # 2.77 -> 7.34 (chronicles)
+    ipex = load_source(REAL / "snippets" / "ipex_llm_issue1486_bigdl_inf_loss.csv")
+    assert "divergence" not in labels(run_phases(ipex.records, ipex.segments))  # one Infinity, then 1.248
