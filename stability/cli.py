@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                     "files with Megatron's consumed_samples and skipped_iters columns")
     pm.add_argument("--system-log", dest="system_logs", type=Path, action="append", default=[], metavar="PATH",
                     help="a kernel log of the run's nodes (dmesg, journalctl -k): Xid, ECC, hung tasks, OOM kills "
-                    "and NCCL timeouts go on the same timeline (repeatable)")
+                    "and NCCL timeouts go on the same timeline; or an nvidia-smi -q dump: uncorrectable ECC errors, "
+                    "pending page retirements / row remappings, hardware slowdowns (repeatable)")
     pm.add_argument("--baseline", type=Path, default=None, metavar="OTHER_SOURCE",
                     help="another run (any source but Redis) to compare with, aligned on step: the first step and the "
                     "signals where the two runs part")
