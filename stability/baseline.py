@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from stability.errors import SourceError
+from stability.phases import per_step_median
 from stability.records import StepRecord
 
 __all__ = ["BaselineConfig", "compare_runs"]
@@ -48,20 +49,15 @@ class BaselineConfig:
     """Most signals compared (the loss first, then by name)."""
 
 
-def _latest_per_step(records: Sequence[StepRecord]) -> dict[str, dict[int, float]]:
-    """signal -> step -> median over ranks (NaN if any rank non-finite), the latest record of a (rank, step)."""
+def _latest(records: Sequence[StepRecord]) -> list[StepRecord]:
+    """The latest record of each (rank, step) (a resume re-logs steps), in log order otherwise."""
+    keys = {(r.rank, r.step) for r in records}
+    if len(keys) == len(records):
+        return list(records)
     latest: dict[tuple[int, int], StepRecord] = {}
     for record in records:
         latest[(record.rank, record.step)] = record
-    values: dict[str, dict[int, list[float]]] = {}
-    for record in latest.values():
-        for name, value in record.signals.items():
-            values.setdefault(name, {}).setdefault(record.step, []).append(value)
-    out: dict[str, dict[int, float]] = {}
-    for name, by_step in values.items():
-        out[name] = {step: (float(np.median(v)) if all(math.isfinite(x) for x in v) else math.nan)
-                     if len(v) > 1 else v[0] for step, v in by_step.items()}
-    return out
+    return list(latest.values())
 
 
 def _relative(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -96,17 +92,20 @@ def compare_runs(run: Sequence[StepRecord], baseline: Sequence[StepRecord], *, n
         SourceError: the runs share no signal at a common step.
     """
     config = config or BaselineConfig()
-    ours, theirs = _latest_per_step(run), _latest_per_step(baseline)
-    shared = sorted((set(ours) & set(theirs)) - _SKIP, key=lambda s: (s != "loss", s))[: config.max_signals]
+    ours, theirs = _latest(run), _latest(baseline)
+    names = ({n for r in ours for n in r.signals} & {n for r in theirs for n in r.signals}) - _SKIP
+    shared = sorted(names, key=lambda s: (s != "loss", s))[: config.max_signals]
     rows: list[dict[str, Any]] = []
     all_steps: set[int] = set()
     for signal in shared:
-        steps = sorted(set(ours[signal]) & set(theirs[signal]))
-        if len(steps) < 2:
+        steps_a, values_a = per_step_median(ours, signal)
+        steps_b, values_b = per_step_median(theirs, signal)
+        common, ia, ib = np.intersect1d(steps_a, steps_b, assume_unique=True, return_indices=True)
+        if len(common) < 2:
             continue
+        steps = common.tolist()
         all_steps.update(steps)
-        a = np.array([ours[signal][s] for s in steps])
-        b = np.array([theirs[signal][s] for s in steps])
+        a, b = values_a[ia], values_b[ib]
         rel = _relative(a, b)
         early = rel[: max(5, min(config.early_steps, len(rel) // 10))]
         early = early[np.isfinite(early)]

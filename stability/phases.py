@@ -43,7 +43,7 @@ import numpy as np
 from stability.records import StepRecord
 from stability.sources import Segment
 
-__all__ = ["PHASE_LABELS", "Phase", "PhaseConfig", "run_phases", "segment_phases"]
+__all__ = ["PHASE_LABELS", "Phase", "PhaseConfig", "per_step_median", "run_phases", "segment_phases"]
 
 PHASE_LABELS = ("warm-up", "stable", "degradation", "divergence", "restart")
 """Phase labels, see the module docstring."""
@@ -113,7 +113,7 @@ def run_phases(records: Sequence[StepRecord], segments: Sequence[Segment] = (), 
     return out
 
 
-def _per_step(records: Sequence[StepRecord], name: str) -> tuple[np.ndarray, np.ndarray]:
+def per_step_median(records: Sequence[StepRecord], name: str) -> tuple[np.ndarray, np.ndarray]:
     """Steps (sorted) and the median over ranks of signal ``name`` at each (NaN where a rank logged non-finite).
 
     Vectorised: sorted by (step, value), each step's median is the mean of its middle one or two values."""
@@ -165,7 +165,7 @@ def segment_phases(records: Sequence[StepRecord], *, segment: int = 0,
                    config: PhaseConfig | None = None) -> list[Phase]:
     """The phases of one segment's records (see the module docstring)."""
     config = config or PhaseConfig()
-    steps, loss = _per_step(records, config.signal)
+    steps, loss = per_step_median(records, config.signal)
     if len(steps) == 0:
         return []
     bad = ~np.isfinite(loss)
@@ -200,7 +200,7 @@ def _warmup_end(records: Sequence[StepRecord], steps: np.ndarray, first: np.ndar
     """Number of bins of the warm-up (0: none) and why."""
     n = len(smooth)
     ends: list[tuple[int, str]] = []
-    lr_steps, lr = _per_step(records, "lr")
+    lr_steps, lr = per_step_median(records, "lr")
     lr_ok = np.isfinite(lr)
     lr_steps, lr = lr_steps[lr_ok], lr[lr_ok]
     if len(lr) >= 3 and lr.max() > 0:
