@@ -528,7 +528,16 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
     return PostmortemResult(run_id=run_id, steps=len({r.step for r in records}),
                             ranks=tuple(sorted({r.rank for r in records})), incidents=tuple(incidents),
                             alerts=tuple(alerts), meta=dict(meta or {}), segments=log_segments,
-                            log_events=tuple(events or ()), phases=tuple(run_phases(records, log_segments)))
+                            log_events=tuple(events or ()), phases=_phases(records, log_segments))
+
+
+def _phases(records: Sequence[StepRecord], segments: Sequence[Segment]) -> tuple[Phase, ...]:
+    """The run's phases; a failure there (ruptures missing, a degenerate series) costs the phases, not the report."""
+    try:
+        return tuple(run_phases(records, segments))
+    except (ImportError, ValueError, ArithmeticError) as exc:
+        logger.warning("phases of the run not computed: %s", exc)
+        return ()
 
 
 PROGRESS_MIN_RECORDS = 50_000
