@@ -73,7 +73,11 @@ def _parser() -> argparse.ArgumentParser:
                     "files with Megatron's consumed_samples and skipped_iters columns")
     pm.add_argument("--system-log", dest="system_logs", type=Path, action="append", default=[], metavar="PATH",
                     help="a kernel log of the run's nodes (dmesg, journalctl -k): Xid, ECC, hung tasks, OOM kills "
-                    "and NCCL timeouts go on the same timeline (repeatable)")
+                    "and NCCL timeouts go on the same timeline; or an nvidia-smi -q dump: uncorrectable ECC errors, "
+                    "pending page retirements / row remappings, hardware slowdowns (repeatable)")
+    pm.add_argument("--baseline", type=Path, default=None, metavar="OTHER_SOURCE",
+                    help="another run (any source but Redis) to compare with, aligned on step: the first step and the "
+                    "signals where the two runs part")
 
     runs = sub.add_parser("runs", help="list the runs in a Redis (status, ranks, last step, incidents, run dir)",
                           description="List the runs in a Redis: status (running / finished / died at step N), "
@@ -174,6 +178,10 @@ def _postmortem(args: argparse.Namespace) -> int:
     from stability.redis_source import is_redis_url
 
     if is_redis_url(args.source):
+        if args.baseline is not None:
+            from stability.errors import SourceError
+
+            raise SourceError("--baseline: not supported with a Redis source (give a run directory or a log)")
         result, json_out, html_out = postmortem.run_redis(args.source, args.run_id, out_dir=args.out_dir,
                                                           json_out=args.json_out, html_out=args.html_out)
     else:
@@ -182,7 +190,7 @@ def _postmortem(args: argparse.Namespace) -> int:
         json_default, html_default = postmortem.default_outputs(source, args.out_dir)
         json_out, html_out = args.json_out or json_default, args.html_out or html_default
         result = postmortem.run(source, json_out=json_out, html_out=html_out, run_id=args.run_id,
-                                loss_averaged=averaged, system_logs=args.system_logs)
+                                loss_averaged=averaged, system_logs=args.system_logs, baseline=args.baseline)
     print(report.render_text(result))
     print(f"findings: {json_out}")
     print(f"report:   {html_out}")

@@ -54,6 +54,7 @@ from stability.detectors.base import Finding
 from stability.detectors.causes import remedy
 from stability.detectors.engine import DiagnoserConfig, Incident, RunDiagnoser
 from stability.errors import RecordError, SourceError
+from stability.phases import Phase, run_phases
 from stability.records import StepRecord, decode
 from stability.sources import LoadedLog, LogEvent, Segment, SegmentBuilder
 
@@ -398,6 +399,10 @@ class PostmortemResult:
     """Profiler traces and hang stack dumps found in the run directory (:mod:`stability.report.artifacts`)."""
     performance: tuple[str, ...] = ()
     """Step time and memory per rank in words (records with the timing hooks' signals only)."""
+    phases: tuple[Phase, ...] = ()
+    """The run cut into warm-up / stable / degradation / divergence / restart phases (:mod:`stability.phases`)."""
+    baseline: Mapping[str, Any] | None = None
+    """Where the run parts from a baseline run, by signal (:mod:`stability.baseline`), when one was given."""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -421,6 +426,10 @@ class PostmortemResult:
         directory of the findings file) when given, else absolute."""
         out = {"run_id": self.run_id, "steps": self.steps, "ranks": list(self.ranks), "counts": self.counts,
                "meta": dict(self.meta), "events": self.events}
+        if self.phases:
+            out["phases"] = [p.to_dict() for p in self.phases]
+        if self.baseline is not None:
+            out["baseline"] = dict(self.baseline)
         if len(self.segments) > 1:
             out["segments"] = [s.to_dict() for s in self.segments]
         if self.log_events:
@@ -541,7 +550,16 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
                             ranks=tuple(sorted({r.rank for r in records})), incidents=tuple(incidents),
                             alerts=tuple(alerts), meta=dict(meta or {}), segments=log_segments,
                             log_events=tuple(events or ()), artifacts=find_artifacts(run_dir),
-                            performance=tuple(perf_summary(records)))
+                            performance=tuple(perf_summary(records)), phases=_phases(records, log_segments))
+
+
+def _phases(records: Sequence[StepRecord], segments: Sequence[Segment]) -> tuple[Phase, ...]:
+    """The run's phases; a failure there (ruptures missing, a degenerate series) costs the phases, not the report."""
+    try:
+        return tuple(run_phases(records, segments))
+    except (ImportError, ValueError, ArithmeticError) as exc:
+        logger.warning("phases of the run not computed: %s", exc)
+        return ()
 
 
 PROGRESS_MIN_RECORDS = 50_000
@@ -635,13 +653,15 @@ def run_redis(url: str, run_id: str | None = None, *, out_dir: str | Path | None
 
 def run(source: str | Path, json_out: str | Path | None = None, html_out: str | Path | None = None, *,
         run_id: str | None = None, loss_averaged: bool | None = None,
-        system_logs: Sequence[str | Path] = (), progress: bool | None = None) -> PostmortemResult:
+        system_logs: Sequence[str | Path] = (), progress: bool | None = None,
+        baseline: str | Path | None = None) -> PostmortemResult:
     """Load ``source`` (run directory, Redis URL, CSV file or any log of :func:`load_source`), analyse it and write
     the requested reports.
 
     ``run_id`` overrides the run id (default: the records' own, or the file name); for a Redis URL it names the
     run to load (see :func:`run_redis`); ``loss_averaged`` is passed to :func:`load_csv`; ``system_logs``: kernel
-    logs (dmesg, journal) of the run's nodes whose events go on the same timeline.
+    logs (dmesg, journal) of the run's nodes whose events go on the same timeline; ``baseline``: another run (any
+    source but Redis) to compare with, step by step (:func:`stability.baseline.compare_runs`).
 
     Raises:
         SourceError: the source cannot be read or holds no records.
@@ -685,6 +705,12 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
                          run_dir=run_dir)
     else:
         result = analyze(records, rid, meta=meta, progress=progress, run_dir=run_dir)
+    if baseline is not None:
+        from stability.baseline import compare_runs
+
+        other = Path(baseline)
+        base_records = load_run_dir(other) if _is_run_dir(other) else load_source(other).records
+        result = replace(result, baseline=compare_runs(records, base_records, name=str(other)))
     write_outputs(result, records, json_out=json_out, html_out=html_out)
     return result
 

@@ -417,3 +417,87 @@ def test_progress_bar_only_on_a_terminal(tmp_path: Path, capsys: pytest.CaptureF
     log = load_source(DATA / "megatron_resume.log")
     forced = analyze(log.records, "r", segments=log.segments, events=log.events, progress=True)
     assert forced.events == quiet.events  # the bar changes nothing but stderr
+
+
+# -- nvidia-smi -q dumps (--system-log) -------------------------------------------------------------------------------
+
+V100_NVSMI = """
+==============NVSMI LOG==============
+
+Timestamp                                 : Mon May 13 11:00:50 2024
+Driver Version                            : 470.182.03
+CUDA Version                              : 11.4
+
+Attached GPUs                             : 1
+GPU 00000000:3B:00.0
+    Product Name                          : Tesla V100-SXM2-32GB
+    Minor Number                          : 5
+    Clocks Throttle Reasons
+        Idle                              : Not Active
+        Applications Clocks Setting       : Not Active
+        SW Power Cap                      : Not Active
+        HW Slowdown                       : Not Active
+            HW Thermal Slowdown           : Not Active
+            HW Power Brake Slowdown       : Not Active
+        Sync Boost                        : Not Active
+        SW Thermal Slowdown               : Active
+        Display Clock Setting             : Not Active
+    ECC Mode
+        Current                           : Enabled
+        Pending                           : Enabled
+    ECC Errors
+        Volatile
+            Single Bit
+                Device Memory             : 4
+                Register File             : 0
+                L1 Cache                  : 0
+                L2 Cache                  : 0
+                Texture Memory            : N/A
+                Texture Shared            : N/A
+                CBU                       : N/A
+                Total                     : 4
+            Double Bit
+                Device Memory             : {dbe}
+                Register File             : 0
+                L1 Cache                  : 0
+                L2 Cache                  : 0
+                Texture Memory            : N/A
+                Texture Shared            : N/A
+                CBU                       : 0
+                Total                     : {dbe}
+        Aggregate
+            Single Bit
+                Total                     : 9
+            Double Bit
+                Total                     : 3
+    Retired Pages
+        Single Bit ECC                    : 0
+        Double Bit ECC                    : 3
+        Pending Page Blacklist            : {pending}
+"""
+
+
+def test_nvidia_smi_dump_events(tmp_path: Path) -> None:
+    events = load_system_log(DATA / "node07_nvsmi.txt")
+    assert [(e.kind, e.value) for e in events] == [("ecc", 2.0), ("ecc", 2.0), ("gpu_throttle", 2.0)]
+    assert all("GPU 1 (00000000:0B:00.0)" in e.message for e in events)  # GPU 0: lifetime counts, power cap only
+    assert "row remapping pending" in events[1].message and "HW Thermal Slowdown" in events[2].message
+    old = tmp_path / "v100.txt"
+    old.write_text(V100_NVSMI.format(dbe=1, pending="Yes"))
+    assert [(e.kind, e.value) for e in load_system_log(old)] == [("ecc", 1.0), ("ecc", 3.0), ("gpu_throttle", 1.0)]
+    old.write_text(V100_NVSMI.format(dbe=0, pending="No"))
+    assert [e.kind for e in load_system_log(old)] == ["gpu_throttle"]
+
+
+def test_nvidia_smi_dump_feeds_hardware_fault(tmp_path: Path) -> None:
+    result = analyse(DATA / "hang_train.log", tmp_path, system_logs=[DATA / "node07_nvsmi.txt"])
+    found = {e["kind"]: e for e in serious(result)}
+    hardware = found["hardware_error"]
+    assert hardware["severity"] == "error" and top(hardware) == "hardware_fault"
+    assert hardware["onset"] == 90  # dumped at 11:01:30, when iteration 90 was logged
+    assert "volatile uncorrectable ECC" in hardware["message"]
+    old = tmp_path / "v100.txt"
+    old.write_text(V100_NVSMI.format(dbe=0, pending="No"))
+    result = analyse(DATA / "hang_train.log", tmp_path, system_logs=[old])
+    throttled = next(e for e in result.events if e["kind"] == "hardware_error")
+    assert throttled["severity"] == "warning" and "SW Thermal Slowdown" in throttled["message"]

@@ -93,6 +93,8 @@ def _payload(result: PostmortemResult, records: Sequence[StepRecord]) -> dict[st
         "overview": _data.overview(plotted, shown_rank),
         "other_ranks": [_data.overview(plotted, rank) for rank in others[:4]],
         "resumes": [{"step": seg.first_step, "after": seg.resumed_after} for seg in result.segments[1:]],
+        "phases": [{"first": p.first_step, "last": p.last_step, "label": p.label, "color": _PHASE_COLORS[p.label]}
+                   for p in result.phases if p.label in _PHASE_COLORS],
         "incidents": incidents,
         "details": {str(i + 1): _incident_data(records, result, i, available) for i in _detailed(events)},
     }
@@ -143,6 +145,10 @@ function shapesFor(incidents, withLabels){
                   font:{size:11, color:inc.color}, text:'#' + inc.n + ' ' + inc.kind + ' (onset ' + inc.onset +
                   (inc.rollback !== null ? ', rollback ' + inc.rollback : '') + ')'});
     }
+  }
+  for (const p of (D.phases || [])){
+    shapes.push({type:'rect', xref:'x', yref:'paper', x0:p.first - 0.5, x1:p.last + 0.5, y0:0, y1:1,
+                 fillcolor:p.color, opacity:0.07, line:{width:0}, layer:'below'});
   }
   for (const r of (D.resumes || [])){
     shapes.push({type:'line', xref:'x', yref:'paper', x0:r.step, x1:r.step, y0:0, y1:1,
@@ -391,6 +397,41 @@ def _perf_section(payload: Mapping[str, Any], artifacts: Sequence[Artifact], bas
     return f'<h2 id="performance">Step time and memory</h2>{chart}{table}'
 
 
+_PHASE_COLORS = {"warm-up": "#2563eb", "degradation": "#d97706", "divergence": "#dc2626"}
+"""Phases shaded on the charts (stable is not shaded; restarts are the resume lines)."""
+
+
+def _phases_section(result: PostmortemResult) -> str:
+    """The run's phases (:mod:`stability.phases`) as a table, and where it parts from ``--baseline``."""
+    esc = html.escape
+    out = ""
+    if result.phases:
+        rows = "".join(
+            f"<tr><td>{esc(p.label)}</td><td>{p.first_step}</td><td>{p.last_step}</td><td>{p.segment + 1}</td>"
+            f"<td>{cell(p.loss_start)}</td><td>{cell(p.loss_end)}</td><td>{esc(p.evidence)}</td></tr>"
+            for p in result.phases)
+        out += ("<h2>Phases</h2><p class=\"muted\">Change points of the smoothed log-loss (PELT), labelled: warm-up "
+                "(LR rising / first steep loss drop; shaded blue), stable, degradation (loss above its best so far; "
+                "amber), divergence (far above, or non-finite; red), restart (a resume).</p><table><tr><th>phase"
+                "</th><th>first step</th><th>last step</th><th>segment</th><th>loss at start</th><th>loss at end"
+                f"</th><th>why</th></tr>{rows}</table>")
+    base = result.baseline
+    if base is not None:
+        rows = "".join(
+            f"<tr><td>{esc(str(r['signal']))}</td><td>{cell(r['parts_at'])}</td><td>{cell(r['ratio'])}</td>"
+            f"<td>{cell(r['rel_diff'])}</td><td>{cell(r['band'])}</td><td>{cell(r['run_value'])}</td>"
+            f"<td>{cell(r['baseline_value'])}</td></tr>" for r in base["signals"])
+        where = (f"The runs part at step {base['parts_at']}, first in {esc(str(base['signals'][0]['signal']))}."
+                 if base["parts_at"] is not None else "The runs do not part (every signal within its noise band).")
+        out += (f'<h2 id="baseline">Baseline comparison</h2><p>Against {esc(str(base["baseline"]))}: '
+                f"{base['shared_steps']} shared steps ({base['first_step']}-{base['last_step']}). {where}</p>"
+                '<p class="muted">Relative difference per step vs the noise band of the early shared steps; a signal '
+                "parts where it stays above its band. Earliest first.</p><table><tr><th>signal</th><th>parts at"
+                "</th><th>x band</th><th>median rel. diff after</th><th>band</th><th>run</th><th>baseline</th></tr>"
+                f"{rows}</table>")
+    return out
+
+
 def _events_table(events: list[dict[str, Any]]) -> str:
     if not events:
         return "<p>No instability detected.</p>"
@@ -432,6 +473,7 @@ def render_html(result: PostmortemResult, records: Sequence[StepRecord], *, base
         f"{_perf_section(payload, result.artifacts, base)}"
         f"<h2>Incidents</h2>{sections or '<p>No warning or error incident.</p>'}{more}"
         f"<h2>All events</h2>{_events_table(events)}{_timeline_section(result)}"
+        f"{_phases_section(result)}"
         f"<h2>Run</h2><table>{meta}</table>"
         f'<script type="application/json" id="stability-data">{_json_for_script(payload)}</script>'
         f"{charts}<script>{_JS}</script></body></html>\n"

@@ -8,7 +8,8 @@ from typing import Any
 from stability.console import display_remedy
 from stability.postmortem import PostmortemResult
 
-__all__ = ["cell", "plural", "perf_lines", "render_text", "rollback_words", "timeline_lines"]
+__all__ = ["baseline_lines", "cell", "perf_lines", "phase_lines", "plural", "render_text", "rollback_words",
+           "timeline_lines"]
 
 
 def cell(value: Any) -> str:
@@ -68,6 +69,51 @@ def perf_lines(result: PostmortemResult) -> list[str]:
     return lines
 
 
+def _g(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float | int) else str(value)
+
+
+def phase_lines(result: PostmortemResult) -> list[str]:
+    """The run's phases (warm-up, stable, degradation, divergence, restart) in one line each."""
+    if not result.phases:
+        return []
+    lines = ["phases:"]
+    for phase in result.phases:
+        if phase.label == "restart":
+            lines.append(f"  restart at step {phase.first_step}: {phase.evidence}")
+            continue
+        loss = (f", loss {phase.loss_start:.4g} -> {phase.loss_end:.4g}"
+                if phase.loss_start is not None and phase.loss_end is not None else "")
+        why = f" ({phase.evidence})" if phase.evidence else ""
+        lines.append(f"  {phase.label:<11} steps {phase.first_step}-{phase.last_step}{loss}{why}")
+    return lines
+
+
+def baseline_lines(result: PostmortemResult) -> list[str]:
+    """Where the run parts from its baseline (``--baseline``), signal by signal, earliest first."""
+    base = result.baseline
+    if base is None:
+        return []
+    names = list(base["compared"])
+    more = f" (+{len(names) - 12} more)" if len(names) > 12 else ""
+    lines = [f"baseline {base['baseline']}: {base['shared_steps']} shared steps "
+             f"({base['first_step']}-{base['last_step']}), signals compared: {', '.join(names[:12])}{more}"]
+    if base.get("parts_at") is None:
+        lines.append("  the runs do not part: every shared signal stays within its early-step noise band")
+        return lines
+    lines.append(f"  the runs part at step {base['parts_at']}, first in {base['signals'][0]['signal']}")
+    for row in base["signals"]:
+        if row["parts_at"] is None:
+            continue
+        lines.append(f"  - {row['signal']}: from step {row['parts_at']}, {_g(row['ratio'])}x its noise band "
+                     f"(median relative difference {_g(row['rel_diff'])} after, band {_g(row['band'])})")
+    same = [row["signal"] for row in base["signals"] if row["parts_at"] is None]
+    if same:
+        more = f" (+{len(same) - 12} more)" if len(same) > 12 else ""
+        lines.append(f"  within the band throughout: {', '.join(same[:12])}{more}")
+    return lines
+
+
 def render_text(result: PostmortemResult) -> str:
     """A plain-text summary: events table, top causes, remedy and rollback step of each event; step time and
     memory per rank (when recorded); the run directory's profiler traces and hang stack dumps."""
@@ -77,6 +123,8 @@ def render_text(result: PostmortemResult) -> str:
              f"({len(serious)} warning/error, {len(events) - len(serious)} info)"]
     lines.extend(timeline_lines(result))
     lines.extend(perf_lines(result))
+    lines.extend(phase_lines(result))
+    lines.extend(baseline_lines(result))
     if not events:
         lines.append("no instability detected")
         return "\n".join(lines) + "\n"

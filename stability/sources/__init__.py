@@ -148,12 +148,22 @@ def _drop_static_scale(loaded: LoadedLog) -> None:
 
 
 def load_system_log(path: str | Path, *, year: int | None = None) -> list[LogEvent]:
-    """The system events (Xid, ECC, hung tasks, OOM kills, NCCL failures) of a dmesg / journal file."""
+    """The system events (Xid, ECC, hung tasks, OOM kills, NCCL failures) of a dmesg / journal file, or the ECC
+    errors, pending page retirements / row remappings and hardware slowdowns of an ``nvidia-smi -q`` dump
+    (:mod:`~stability.sources.nvsmi`)."""
+    from stability.sources import nvsmi
     from stability.sources.textlog import TextLogParser
 
     path = Path(path)
     if not path.is_file():
         raise SourceError(f"{path}: no such file")
+    try:
+        with path.open(encoding="utf-8", errors="replace") as handle:
+            head = [line for _, line in zip(range(20), handle, strict=False)]
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot read ({exc})") from None
+    if nvsmi.is_nvsmi(head):
+        return nvsmi.read_nvsmi(path)
     parser = TextLogParser(run_id="system", source=str(path), year=year)
     parser.read(path)
     return [e for e in parser.events if e.kind in SYSTEM_KINDS]

@@ -15,7 +15,8 @@ EVENT_KINDS: tuple[str, ...] = (
     "startup",           # a start-up banner / argument dump (a new process)
     "checkpoint_load",   # "loading checkpoint ... at iteration N"
     "xid",               # NVIDIA driver Xid error
-    "ecc",               # ECC / uncorrectable memory error
+    "ecc",               # ECC / uncorrectable memory error (kernel log, nvidia-smi -q)
+    "gpu_throttle",      # nvidia-smi -q: clocks slowed by a hardware / thermal slowdown
     "hung_task",         # kernel: task blocked for more than N seconds
     "oom",               # kernel OOM killer
     "nccl_timeout",      # NCCL watchdog: a collective timed out
@@ -24,7 +25,7 @@ EVENT_KINDS: tuple[str, ...] = (
 )
 """Kinds of :class:`LogEvent`."""
 
-SYSTEM_KINDS = frozenset({"xid", "ecc", "hung_task", "oom", "nccl_timeout", "nccl_error"})
+SYSTEM_KINDS = frozenset({"xid", "ecc", "gpu_throttle", "hung_task", "oom", "nccl_timeout", "nccl_error"})
 """Event kinds that come from the machine, not the training loop."""
 
 

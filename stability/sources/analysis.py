@@ -209,7 +209,8 @@ def _stopped_ranks(records: Sequence[StepRecord], segments: Sequence[Segment]) -
 def _system_findings(placed: Sequence[tuple[int, LogEvent]], last_step: int) -> list[Finding]:
     system = [(s, e) for s, e in placed if e.kind in SYSTEM_KINDS]
     groups = {"hang": [p for p in system if p[1].kind in ("nccl_timeout", "hung_task")],
-              "hardware_error": [p for p in system if p[1].kind in ("xid", "ecc")],
+              "hardware_error": [p for p in system if p[1].kind in ("xid", "ecc")]
+              + [p for p in system if p[1].kind == "gpu_throttle"],
               "infrastructure_error": [p for p in system if p[1].kind in ("oom", "nccl_error")]}
     hardware = groups["hardware_error"]
     out = []
@@ -219,6 +220,7 @@ def _system_findings(placed: Sequence[tuple[int, LogEvent]], last_step: int) -> 
         step, event = items[0]
         more = f" (+{len(items) - 1} more)" if len(items) > 1 else ""
         causes: list[tuple[str, float, str]] = []
+        throttle_only = False
         if kind == "hang":
             message = f"the log stops at step {last_step}; {event.message}{more}"
             causes.append(("hang", 0.8, f"{event.source}: {event.message}"))
@@ -226,11 +228,13 @@ def _system_findings(placed: Sequence[tuple[int, LogEvent]], last_step: int) -> 
                 causes.append(("hardware_fault", 0.85, f"{hardware[0][1].source}: {hardware[0][1].message}"))
         elif kind == "hardware_error":
             message = f"{event.message}{more}"
-            causes.append(("hardware_fault", 0.9, f"{event.source}: {event.message}"))
+            throttle_only = event.kind == "gpu_throttle"  # errors sort first: only slowdowns, no memory error
+            causes.append(("hardware_fault", 0.6 if throttle_only else 0.9, f"{event.source}: {event.message}"))
         else:
             message = f"{event.message}{more}"
             causes.append(("infrastructure", 0.8, f"{event.source}: {event.message}"))
-        out.append(_finding(kind, step, Severity.ERROR, message, causes, rank=event.rank or 0, host=event.host))
+        severity = Severity.WARNING if kind == "hardware_error" and throttle_only else Severity.ERROR
+        out.append(_finding(kind, step, severity, message, causes, rank=event.rank or 0, host=event.host))
     return out
 
 
