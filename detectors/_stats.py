@@ -15,14 +15,15 @@ detectors then gate on the ratio alone (see ``spike.py``).
 from __future__ import annotations
 
 import math
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "plural", "predict_line",
-           "robust_line",
-           "safe_exp", "times"]
+__all__ = ["Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "pack_floats", "pack_window",
+           "plural", "predict_line", "robust_line", "safe_exp", "times", "unpack_floats", "unpack_window"]
 
 MAD_TO_SIGMA = 1.4826
 """Consistency constant: 1.4826 * MAD estimates sigma for Gaussian data."""
@@ -93,16 +94,58 @@ class Window:
         self._n = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-data state (x values are steps: stored as integers when they are, which msgpack packs small)."""
-        xs = self.x
-        return {"x": xs.astype(np.int64).tolist() if np.all(xs == np.round(xs)) else xs.tolist(),
-                "y": self.y.tolist()}
+        """Plain-data state in the packed format of :func:`pack_window`."""
+        return pack_window(self.x, self.y)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
+        """Restore :meth:`state_dict` output (packed, or the former lists of ``x`` and ``y``)."""
         self.clear()
-        for x, y in zip(state["x"], state["y"], strict=True):
-            self.push(float(x), float(y))
+        xs, ys = unpack_window(state)
+        for x, y in zip(xs.tolist(), ys.tolist(), strict=True):
+            self.push(x, y)
+
+
+def pack_floats(values: np.ndarray | Sequence[float]) -> bytes:
+    """float64 values as little-endian bytes: exact, 8 bytes a value, and one ``bin`` object for msgpack (a list of
+    Python floats costs 9 bytes a value and a Python object each to pack and unpack)."""
+    return np.asarray(values, dtype="<f8").tobytes()
+
+
+def unpack_floats(data: bytes | Sequence[float]) -> np.ndarray:
+    """The float64 array of :func:`pack_floats` output (or of a former plain list of floats)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return np.frombuffer(data, dtype="<f8").astype(np.float64)
+    return np.array([float(v) for v in data], dtype=np.float64)
+
+
+def pack_window(xs: np.ndarray | Sequence[float], ys: np.ndarray | Sequence[float]) -> dict[str, Any]:
+    """Compact state of a window of ``(x, y)`` points: ``y`` as float64 bytes; ``x`` (steps) as zlib-compressed
+    int64 differences when they are integers (a run of consecutive steps packs to a few bytes), else float64
+    bytes. Exact: :func:`unpack_window` gives back the same float64 values."""
+    x = np.asarray(xs, dtype=np.float64)
+    out: dict[str, Any] = {"yb": pack_floats(ys)}
+    if len(x) and np.all(x == np.round(x)) and np.all(np.abs(x) < 2.0**53):
+        out["xd"] = zlib.compress(np.diff(x.astype("<i8"), prepend=np.int64(0)).astype("<i8").tobytes(), 1)
+    else:
+        out["xb"] = pack_floats(x)
+    return out
+
+
+def unpack_window(state: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, y)`` float64 arrays of a window state: :func:`pack_window` output or the former format (plain lists
+    ``{"x": [...], "y": [...]}``, as states saved before the packed format hold)."""
+    if "yb" in state:
+        ys = unpack_floats(state["yb"])
+        if "xd" in state:
+            xs = np.cumsum(np.frombuffer(zlib.decompress(state["xd"]), dtype="<i8")).astype(np.float64)
+        else:
+            xs = unpack_floats(state["xb"])
+    else:
+        xs = np.array([float(v) for v in state["x"]], dtype=np.float64)
+        ys = np.array([float(v) for v in state["y"]], dtype=np.float64)
+    if len(xs) != len(ys):
+        raise ValueError(f"window state has {len(xs)} x values and {len(ys)} y values")
+    return xs, ys
 
 
 @dataclass(frozen=True, slots=True)

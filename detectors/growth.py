@@ -350,7 +350,7 @@ class _VectorGrowth:
             row = self._add_series(str(name))
             if row < 0:
                 break
-            self._rings.load_row(row, s["win"]["x"], s["win"]["y"])
+            self._rings.load_row(row, s["win"])
             self._fired[row], self._quiet[row] = bool(s["fired"]), int(s["quiet"])
         self._lr.load_state_dict(state["lr"])
         if "loss" in state:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 import re
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +60,7 @@ import numpy as np
 
 from stability.detectors._modules import schema_of
 from stability.detectors._rolling import FastBaseline, level_lower_bound
-from stability.detectors._stats import median, safe_exp
+from stability.detectors._stats import median, pack_floats, safe_exp, unpack_floats
 from stability.detectors.base import Finding, Severity
 from stability.detectors.history import LrTracker
 from stability.records import StepRecord, split_signal
@@ -291,6 +292,37 @@ class AdamLagConfig:
     corrupted replica's lag reaches 1e3-1e6)."""
 
 
+class _Ring:
+    """The last ``size`` values of a series as float64 (a ``deque(maxlen=size)`` of Python floats held ~4x the
+    memory: 128 values per module of thousands of ranks, issue #10)."""
+
+    __slots__ = ("_a", "_head", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._a = array("d")
+        self._head = 0
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def append(self, value: float) -> None:
+        """Add a value, dropping the oldest beyond ``size``."""
+        if len(self._a) < self.size:
+            self._a.append(value)
+        else:
+            self._a[self._head] = value
+            self._head = self._head + 1 if self._head + 1 < self.size else 0
+
+    def array(self) -> np.ndarray:
+        """The values (in ring order: the callers' statistics do not depend on the order)."""
+        return np.frombuffer(self._a, dtype=np.float64).copy() if len(self._a) else np.zeros(0)
+
+    def ordered(self) -> np.ndarray:
+        """The values, oldest first."""
+        return np.roll(self.array(), -self._head)
+
+
 class AdamLagDetector:
     """Streaming Adam second-moment lag detector for one rank (see the module docstring)."""
 
@@ -302,7 +334,7 @@ class AdamLagDetector:
         self._lr = LrTracker()
         self._losses: deque[float] = deque(maxlen=self.config.loss_window)
         self._quiet: dict[str, int] = {}
-        self._own: dict[str, deque[float]] = {}
+        self._own: dict[str, _Ring] = {}
         self._peak: dict[str, float] = {}
         """series -> its recent values that raised no alarm (its own baseline)."""
 
@@ -317,7 +349,7 @@ class AdamLagDetector:
         sparse = EMBEDDING_MODULE.search(split_signal(name)[1] or "") is not None
         if own is None or len(own) < cfg.own_min_points:
             return math.inf if sparse else cfg.lag
-        values = np.fromiter(own, dtype=np.float64)
+        values = own.array()
         positive = values[values > 0]
         sparse = sparse or len(positive) <= (1.0 - cfg.sparse_zeros) * len(values)
         threshold = max(cfg.sparse_lag if sparse else cfg.lag, cfg.tail_factor * self._peak.get(name, 0.0))
@@ -346,7 +378,10 @@ class AdamLagDetector:
             if value >= threshold or quiet:
                 self._quiet[name] = cfg.cooldown if value >= threshold else quiet - 1
             if value < threshold and (name in self._own or len(self._own) < MAX_SERIES):
-                self._own.setdefault(name, deque(maxlen=cfg.own_window)).append(value)
+                own = self._own.get(name)
+                if own is None:
+                    own = self._own[name] = _Ring(cfg.own_window)
+                own.append(value)
                 self._peak[name] = max(self._peak.get(name, 0.0) * 0.5 ** (1.0 / cfg.peak_half_life), value)
         alarm = bool(lags) and not self._lr.in_warmup(record.step, cfg.warmup_gate)
         loss = record.get("loss")
@@ -375,13 +410,16 @@ class AdamLagDetector:
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
         return {"lr": self._lr.state_dict(), "losses": list(self._losses), "quiet": dict(self._quiet),
-                "own": {k: list(v) for k, v in self._own.items()}, "peak": dict(self._peak)}
+                "own": {k: pack_floats(v.ordered()) for k, v in self._own.items()}, "peak": dict(self._peak)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self._lr.load_state_dict(state["lr"])
         self._losses = deque((float(v) for v in state["losses"]), maxlen=self.config.loss_window)
         self._quiet = {str(k): int(v) for k, v in state["quiet"].items()}
-        self._own = {str(k): deque((float(x) for x in v), maxlen=self.config.own_window)
-                     for k, v in state.get("own", {}).items()}
+        self._own = {}
+        for k, v in state.get("own", {}).items():  # (float64 bytes, or the former lists)
+            ring = self._own[str(k)] = _Ring(self.config.own_window)
+            for x in unpack_floats(v).tolist():
+                ring.append(x)
         self._peak = {str(k): float(v) for k, v in state.get("peak", {}).items()}

@@ -304,7 +304,7 @@ class _VectorVanishing:
             if key < 0:
                 break
             if kind == _HISTORY:
-                self._rings.load_row(self._row[key], st["win"]["x"], st["win"]["y"])
+                self._rings.load_row(self._row[key], st["win"])
             self._low[key], self._fired[key] = int(st["low"]), bool(st["fired"])
             onset = st["low_onset"]
             self._has_onset[key] = onset is not None

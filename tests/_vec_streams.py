@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -191,12 +192,13 @@ def describe(finding: Finding) -> dict[str, Any]:
 
 def run_detector(factory: Factory, records: list[StepRecord], *, resume_at: int | None = None) -> list[dict[str, Any]]:
     """The findings of one detector over ``records`` (and its ``finish``); with ``resume_at`` its state is saved
-    after that many records (JSON round trip) and a fresh detector goes on from it."""
+    after that many records (msgpack round trip) and a fresh detector goes on from it."""
     det = factory()
     out: list[dict[str, Any]] = []
     for i, rec in enumerate(records):
         if resume_at is not None and i == resume_at:
-            state = json.loads(json.dumps(det.state_dict()))
+            state = msgpack.unpackb(msgpack.packb(det.state_dict(), use_bin_type=True), raw=False,
+                                    strict_map_key=False)  # (as the worker saves it)
             det = factory()
             det.load_state_dict(state)
         out += [describe(f) for f in det.update(rec)]
