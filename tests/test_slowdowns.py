@@ -71,6 +71,39 @@ def test_capture_records_step_timing_and_memory(tmp_path: Path) -> None:
     assert "data_time" not in records[0].signals  # no previous step end to wait from
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu_check.sh runs it on a lent GPU); "
+                    "the CPU path is the test above")
+def test_cuda_step_timing_and_memory_never_sync(tmp_path: Path) -> None:
+    """On CUDA: allocator counters every step and the device step time from CUDA events a step or more later, with
+    any host-device sync in the hooks an error (torch.cuda.set_sync_debug_mode)."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, foreach=True)
+    sink = ListSink()
+    os.environ["STABILITY_WATCHDOG"] = "0"
+    capture = Capture(WatchConfig(run_id="cuda-timing", run_dir=tmp_path, stats_every=0), sink).attach(model, opt)
+    data = torch.randn(64, 256, device="cuda")
+
+    def step() -> None:
+        model(data).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    capture.close()
+    assert capture.errors == 0 and len(sink) == 9
+    last = sink.records[-1].signals
+    assert 0 < last["mem_allocated"] <= last["mem_peak"] <= last["mem_limit"] and last["mem_reserved"] > 0
+    device_times = [r.signals["device_step_time"] for r in sink.records if "device_step_time" in r.signals]
+    assert device_times and all(0 < t < 60 for t in device_times)
+
+
 def test_injected_dataloader_sleep_is_a_dataloader_stall(tmp_path: Path) -> None:
     stalls = {45, 53, 68}  # irregular: not a recurring checkpoint / eval step
     records = _loop(tmp_path, 75, lambda step: time.sleep(0.6 if step in stalls else 0.0))
