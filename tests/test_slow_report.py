@@ -8,6 +8,7 @@ profile of three steps written by the real profiler), the real hang watchdog's s
 from __future__ import annotations
 
 import gzip
+import html
 import json
 import os
 import time
@@ -89,7 +90,9 @@ def test_report_shows_step_time_and_memory_timelines_and_links_the_traces(tmp_pa
     assert [i["kind"] for i in perf["incidents"]].count("dataloader_stall") == len(stall)
     assert 'id="perf"' in page and "perfRows(D.perf)" in page
     assert f'href="../run/{trace.name}"' in page and f'href="../run/{dump.name}"' in page
-    assert "aten::addmm" in page  # the trace's top operators, from its summary
+    summary = json.loads(Path(str(trace).replace(".json.gz", ".summary.json")).read_text())
+    top = [op["name"] for op in summary["top_ops"][:3]]  # which ops lead varies with the machine's load
+    assert top and all(html.escape(name) in page for name in top)  # the trace's top operators, from its summary
 
     findings = json.loads((out / "findings.json").read_text())
     listed = {a["kind"]: a for a in findings["artifacts"]}
