@@ -27,7 +27,7 @@ import numpy as np
 from stability.detectors._stats import pack_window, unpack_window
 from stability.records import StepRecord, split_signal
 
-__all__ = ["VECTOR_MIN", "Rings", "Schema", "layout", "log_list", "row_median", "schema_of"]
+__all__ = ["VECTOR_MIN", "Rings", "Schema", "SizeSwitch", "layout", "log_list", "row_median", "schema_of"]
 
 VECTOR_MIN = 10
 """Series of a record from which a detector takes its vectorised path (fewer: the per-value loop is cheaper;
@@ -198,3 +198,55 @@ class Rings:
     def row_state(self, row: int) -> dict[str, Any]:
         """One row's window in the packed format of :func:`~._stats.pack_window`."""
         return pack_window(*self.row(row))
+
+
+class SizeSwitch:
+    """Base of a detector with a vectorised and a per-value implementation that share one state format.
+
+    Each record's layout (:class:`Schema`) picks one (:meth:`_wide`, cached per layout; None: no series, either
+    will do); when a layout crosses the size, the state moves to the other implementation, which changes no
+    decision. Subclasses set ``name`` and implement :meth:`_make` and :meth:`_wide`.
+    """
+
+    name = ""
+
+    def __init__(self) -> None:
+        self._is_wide = False
+        self._impl: Any = self._make(False)
+        self._wide_by: dict[Schema, bool | None] = {}
+
+    def _make(self, wide: bool) -> Any:
+        """A fresh implementation: vectorised when ``wide``, else per-value."""
+        raise NotImplementedError
+
+    def _wide(self, schema: Schema) -> bool | None:
+        """Whether records of this layout go to the vectorised implementation (None: either)."""
+        raise NotImplementedError
+
+    def update(self, record: StepRecord) -> list[Any]:
+        """Consume one record."""
+        schema = schema_of(record)
+        if schema not in self._wide_by:
+            if len(self._wide_by) >= 64:
+                self._wide_by.clear()
+            self._wide_by[schema] = self._wide(schema)
+        wide = self._wide_by[schema]
+        if wide is not None and wide != self._is_wide:
+            impl = self._make(wide)
+            impl.load_state_dict(self._impl.state_dict())
+            self._impl, self._is_wide = impl, wide
+        found: list[Any] = self._impl.update(record)
+        return found
+
+    def finish(self) -> list[Any]:
+        """Nothing to flush."""
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state (one format for both implementations)."""
+        state: dict[str, Any] = self._impl.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._impl.load_state_dict(state)

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._modules import VECTOR_MIN, Rings, Schema, layout, log_list, schema_of
+from stability.detectors._modules import VECTOR_MIN, Rings, Schema, SizeSwitch, layout, log_list
 from stability.detectors._stats import Window, mad_scale, median, robust_line, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.detectors.divergence import mann_kendall_z
@@ -445,7 +445,7 @@ class _ScalarGrowth(_VectorGrowth):
             self._loss.load_state_dict(state["loss"])
 
 
-class GrowthDetector:
+class GrowthDetector(SizeSwitch):
     """Streaming growth detector for one rank (see the module docstring).
 
     Records with at least :data:`~._modules.VECTOR_MIN` growth series go through the vectorised implementation,
@@ -457,35 +457,11 @@ class GrowthDetector:
 
     def __init__(self, config: GrowthConfig | None = None) -> None:
         self.config = config or GrowthConfig()
-        self._impl: _VectorGrowth = _ScalarGrowth(self.config)
-        self._wide: dict[Schema, bool | None] = {}
+        super().__init__()
 
-    def update(self, record: StepRecord) -> list[Finding]:
-        """Consume one record."""
-        schema = schema_of(record)
-        wide = self._wide[schema] if schema in self._wide else self._size(schema)
-        if wide is not None and wide == isinstance(self._impl, _ScalarGrowth):
-            impl = _VectorGrowth(self.config) if wide else _ScalarGrowth(self.config)
-            impl.load_state_dict(self._impl.state_dict())
-            self._impl = impl
-        return self._impl.update(record)
+    def _make(self, wide: bool) -> _VectorGrowth:
+        return _VectorGrowth(self.config) if wide else _ScalarGrowth(self.config)
 
-    def _size(self, schema: Schema) -> bool | None:
-        """Whether a layout is for the vectorised implementation (None: it has no series, either will do)."""
+    def _wide(self, schema: Schema) -> bool | None:
         n = sum(len(schema.by_quantity.get(q, ())) for q in GROWTH_KINDS)
-        if len(self._wide) >= 64:
-            self._wide.clear()
-        wide = self._wide[schema] = None if n == 0 else n >= VECTOR_MIN
-        return wide
-
-    def finish(self) -> list[Finding]:
-        """Nothing to flush."""
-        return []
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain-data state (one format for both implementations)."""
-        return self._impl.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self._impl.load_state_dict(state)
+        return None if n == 0 else n >= VECTOR_MIN

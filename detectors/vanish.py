@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._modules import VECTOR_MIN, Rings, Schema, layout, log_list, row_median, schema_of
+from stability.detectors._modules import VECTOR_MIN, Rings, Schema, SizeSwitch, layout, log_list, row_median
 from stability.detectors._stats import median, safe_exp
 from stability.detectors._vanish_scalar import ScalarVanishing, one_per_rule
 from stability.detectors.base import Finding, Severity
@@ -312,7 +312,7 @@ class _VectorVanishing:
         self._lr_peak = float(state["lr_peak"])
 
 
-class GradVanishingDetector:
+class GradVanishingDetector(SizeSwitch):
     """Streaming vanishing-gradient detector for one rank (see the module docstring).
 
     Records with at least :data:`~._modules.VECTOR_MIN` gradient-norm / update-ratio series go through the
@@ -326,35 +326,11 @@ class GradVanishingDetector:
 
     def __init__(self, config: VanishConfig | None = None) -> None:
         self.config = config or VanishConfig()
-        self._impl: _VectorVanishing | ScalarVanishing = ScalarVanishing(self.config)
-        self._wide: dict[Schema, bool | None] = {}
+        super().__init__()
 
-    def update(self, record: StepRecord) -> list[Finding]:
-        """Consume one record."""
-        schema = schema_of(record)
-        wide = self._wide[schema] if schema in self._wide else self._size(schema)
-        if wide is not None and wide != isinstance(self._impl, _VectorVanishing):
-            impl = _VectorVanishing(self.config) if wide else ScalarVanishing(self.config)
-            impl.load_state_dict(self._impl.state_dict())
-            self._impl = impl
-        return self._impl.update(record)
+    def _make(self, wide: bool) -> _VectorVanishing | ScalarVanishing:
+        return _VectorVanishing(self.config) if wide else ScalarVanishing(self.config)
 
-    def _size(self, schema: Schema) -> bool | None:
-        """Whether a layout is for the vectorised rules (None: it has no series, either will do)."""
+    def _wide(self, schema: Schema) -> bool | None:
         n = len(schema.by_quantity.get("grad_norm", ())) + len(schema.by_quantity.get("update_ratio", ()))
-        if len(self._wide) >= 64:
-            self._wide.clear()
-        wide = self._wide[schema] = None if n == 0 else n >= VECTOR_MIN
-        return wide
-
-    def finish(self) -> list[Finding]:
-        """Nothing to flush."""
-        return []
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain-data state (one format for both implementations)."""
-        return self._impl.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self._impl.load_state_dict(state)
+        return None if n == 0 else n >= VECTOR_MIN

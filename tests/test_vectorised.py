@@ -72,7 +72,7 @@ def test_switching_paths_midway_changes_nothing(dname: str, monkeypatch: pytest.
     got = [vs.describe(f) for rec in records[:150] for f in det.update(rec)]
     for module in (vanish, growth):
         monkeypatch.setattr(module, "VECTOR_MIN", 1)
-    det._wide.clear()
+    det._wide_by.clear()
     got += [vs.describe(f) for rec in records[150:] for f in det.update(rec)]
     assert type(det._impl).__name__.startswith("_Vector")
     _same(got + [vs.describe(f) for f in det.finish()], REFERENCE["findings"][f"s0:{dname}"])
