@@ -11,15 +11,24 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from stability.records import StepRecord
 
-__all__ = ["ListSink", "TinyGPT", "TinyGPTConfig"]
+if TYPE_CHECKING:
+    from stability.config import WatchConfig
+
+__all__ = ["ListSink", "TinyGPT", "TinyGPTConfig", "capture_loop", "torchrun"]
 
 
 class ListSink:
@@ -118,3 +127,48 @@ class TinyGPT(nn.Module):
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
         return {"logits": logits} if self.cfg.return_dict else logits
+
+
+def capture_loop(config: WatchConfig, steps: int, before_step: Callable[[int, Any], None] = lambda step, capture: None,
+                 *, model: nn.Module | None = None, compute_s: float = 0.02) -> list[StepRecord]:
+    """Train ``model`` (default: one ``Linear(32, 1)``) for ``steps`` SGD steps under a :class:`Capture` with
+    ``config`` and return its records. Each forward sleeps ``compute_s`` (the step's compute); ``before_step(step,
+    capture)`` runs before each step's forward (a data loader's wait, a profile request, ...). The hang watchdog is
+    off (``STABILITY_WATCHDOG=0`` is set for the rest of the process)."""
+    import time
+
+    from stability.hooks.capture import Capture
+
+    torch.manual_seed(0)
+    model = model if model is not None else nn.Linear(32, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model.register_forward_hook(lambda module, args, output: time.sleep(compute_s))
+    sink = ListSink()
+    os.environ["STABILITY_WATCHDOG"] = "0"
+    capture = Capture(config, sink)
+    capture.attach(model, opt)
+    try:
+        for step in range(steps):
+            before_step(step, capture)
+            model(torch.randn(16, 32)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        capture.close()
+    return list(sink.records)
+
+
+def torchrun(script: Path | str, *args: str, nproc: int = 2, env: Mapping[str, str] | None = None,
+             timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run ``script args`` under ``python -m torch.distributed.run`` with ``nproc`` local processes on a free port.
+
+    The environment is ``env`` (default: this process's) without the torchrun variables a parent job may have set,
+    with ``OMP_NUM_THREADS=1`` unless given. Output is captured; the caller checks ``returncode``."""
+    from stability.embedded import free_port
+
+    base = {k: v for k, v in (os.environ if env is None else env).items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    base.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), str(script), *args]
+    return subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=timeout)

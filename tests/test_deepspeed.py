@@ -23,7 +23,7 @@ from stability.config import WatchConfig
 from stability.hooks import frameworks
 from stability.hooks.capture import Capture, in_hook
 from stability.records import StepRecord
-from stability.testing import ListSink
+from stability.testing import ListSink, torchrun
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -293,25 +293,8 @@ def test_two_processes_under_torchrun(tmp_path: Path) -> None:
     """Two ranks (gloo) under torchrun: per-rank records with rank coordinates and the same global grad norm."""
     out = tmp_path / "records"
     out.mkdir()
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    worker = Path(__file__).with_name("_ds_worker.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        str(worker),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = torchrun(Path(__file__).with_name("_ds_worker.py"), str(out), env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     by_rank = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("rank-*.json")}
     assert sorted(by_rank) == [0, 1]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import types
 import warnings
@@ -33,7 +32,7 @@ from stability.config import WatchConfig
 from stability.hooks import frameworks
 from stability.hooks.capture import Capture
 from stability.hooks.megatron import MegatronAdapter, parse_step_result, parse_train_step
-from stability.testing import ListSink
+from stability.testing import ListSink, torchrun
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 SEQ, BATCH, VOCAB, MICRO = 16, 2, 128, 2
@@ -51,11 +50,9 @@ class Run:
 
 
 def _free_port() -> int:
-    import socket
+    from stability.embedded import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 def _init(pp: int = 1) -> None:
@@ -387,19 +384,7 @@ def test_parsers_accept_the_shapes_of_several_megatron_versions() -> None:
 
 def test_pipeline_parallel_two_ranks(tmp_path: Path) -> None:
     """PP=2 over gloo under torchrun: only the last stage records a loss; both carry pp coordinates."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        __file__,
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = torchrun(__file__, str(tmp_path), env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     first, last = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
 

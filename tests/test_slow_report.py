@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import html
 import json
-import os
 import time
 from pathlib import Path
 
@@ -21,31 +20,20 @@ from stability.hooks.capture import Capture
 from stability.postmortem import analyze, write_outputs
 from stability.records import StepRecord
 from stability.report import render_text
-from stability.testing import ListSink
+from stability.testing import capture_loop
 
 STALLS = {45, 53, 68}
 
 
 def _train(run_dir: Path, steps: int = 75) -> list[StepRecord]:
-    torch.manual_seed(0)
+    def loader(step: int, capture: Capture) -> None:
+        if step == 10:
+            capture._perf.profiler.request(3, "test")  # what `stability profile` asks through Redis
+        time.sleep(0.6 if step in STALLS else 0.0)  # the data loader
+
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    model.register_forward_hook(lambda module, args, output: time.sleep(0.02))  # the step's compute
-    sink = ListSink()
-    os.environ["STABILITY_WATCHDOG"] = "0"  # (conftest restores STABILITY_* after each test)
-    capture = Capture(WatchConfig(run_id="slow-report", run_dir=run_dir, layer_every=0, stats_every=0), sink)
-    capture.attach(model, opt)
-    try:
-        for step in range(steps):
-            if step == 10:
-                capture._perf.profiler.request(3, "test")  # what `stability profile` asks through Redis
-            time.sleep(0.6 if step in STALLS else 0.0)  # the data loader
-            model(torch.randn(16, 32)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-    finally:
-        capture.close()
-    return list(sink.records)
+    config = WatchConfig(run_id="slow-report", run_dir=run_dir, layer_every=0, stats_every=0)
+    return capture_loop(config, steps, loader, model=model)
 
 
 def _hang_dump(run_dir: Path) -> Path:

@@ -27,7 +27,7 @@ from stability.detectors.steptime import PERF_KINDS
 from stability.evaluation.ddp import run_ranks
 from stability.hooks.capture import Capture
 from stability.records import StepRecord
-from stability.testing import ListSink
+from stability.testing import ListSink, capture_loop
 from tests._slow_worker import SlowSpec, slow_worker
 
 
@@ -41,23 +41,8 @@ def _diagnose(records: list[StepRecord], config: DiagnoserConfig | None = None) 
 
 def _loop(tmp_path: Path, steps: int, before_step=lambda step: None) -> list[StepRecord]:
     """A tiny single-process training loop under Capture (watchdog off); ``before_step(step)`` is the data loader."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(32, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    model.register_forward_hook(lambda module, args, output: time.sleep(0.02))  # the step's compute
-    sink = ListSink()
-    os.environ["STABILITY_WATCHDOG"] = "0"  # (conftest restores STABILITY_* after each test)
-    capture = Capture(WatchConfig(run_id="slow", run_dir=tmp_path, layer_every=0, stats_every=0), sink)
-    capture.attach(model, opt)
-    try:
-        for step in range(steps):
-            before_step(step)
-            model(torch.randn(16, 32)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-    finally:
-        capture.close()
-    return sink.records
+    config = WatchConfig(run_id="slow", run_dir=tmp_path, layer_every=0, stats_every=0)
+    return capture_loop(config, steps, lambda step, capture: before_step(step))
 
 
 def test_capture_records_step_timing_and_memory(tmp_path: Path) -> None:
