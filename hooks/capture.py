@@ -173,6 +173,35 @@ def _hook(method: Callable[Concatenate[Capture, _P], None]) -> Callable[Concaten
     return guarded
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    """The parameters before a sampled step (in buffers kept for the capture's life) and their per-tensor norms,
+    taken right after the copy while the buffers are still in the cache."""
+
+    buffers: list[torch.Tensor]
+    norms: torch.Tensor
+
+
+@dataclass
+class _GradNorms:
+    """Per-tensor L2 norms of the gradients, valid while each parameter still has the same gradient tensor at the
+    same version (torch bumps a tensor's ``_version`` with every in-place change: clipping, unscaling, an
+    optimizer that edits its gradients). Adam's statistic reuses them instead of another pass over the gradients."""
+
+    norms: torch.Tensor
+    grads: list[torch.Tensor | None]
+    versions: list[int]
+
+    @classmethod
+    def now(cls, norms: torch.Tensor, grads: list[torch.Tensor | None]) -> _GradNorms:
+        return cls(norms, grads, [-1 if g is None else g._version for g in grads])
+
+    def current(self, params: Sequence[torch.Tensor]) -> bool:
+        """True when no gradient was replaced or changed in place since the norms were taken."""
+        return all(p.grad is g and (g is None or g._version == v)
+                   for p, g, v in zip(params, self.grads, self.versions, strict=True))
+
+
 @dataclass
 class _StepState:
     """What has been collected for the step in progress."""
@@ -183,10 +212,13 @@ class _StepState:
     grads_measured: bool = False
     grad_parts: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
     """Gradient statistics, kept apart so a later measurement of the same step replaces them."""
+    grad_norms: _GradNorms | None = None
+    clip_measured: bool = False
+    """The gradients were measured by the ``clip_grad_norm_`` in progress, with the norms it clips with."""
     lr_recorded: bool = False
     scaler: Any = None
-    snapshot: list[torch.Tensor] | None = None
-    acts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    snapshot: _Snapshot | None = None
+    acts: dict[str, list[stats.ActStat]] = field(default_factory=dict)
     logit_z: list[torch.Tensor] = field(default_factory=list)
     batch: str | None = None
     observed: list[tuple[str, torch.Tensor]] = field(default_factory=list)
@@ -461,8 +493,19 @@ class Capture:
             self._close_manual("zero_grad", grads_intact=True)
 
     @_hook
-    def after_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor]) -> None:
-        """``clip_grad_norm_`` returned: with no optimizer, the update comes next."""
+    def after_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor],
+                   clipped: tuple[torch.Tensor, float] | None = None) -> None:
+        """``clip_grad_norm_`` returned: the measured norms, scaled like the gradients, are those of the clipped
+        gradients (for Adam's statistic on sampled steps); with no optimizer, the update comes next."""
+        state = self._state
+        if state.clip_measured:
+            state.clip_measured = False
+            kept = state.grad_norms
+            state.grad_norms = None
+            if kept is not None and clipped is not None and self._stats_due(self._step):
+                total, max_norm = clipped
+                coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s own formula
+                state.grad_norms = _GradNorms.now(kept.norms * coef.to(kept.norms.device), kept.grads)
         if self._manual():
             self._rhythm.after_clip()
 
@@ -485,7 +528,10 @@ class Capture:
         self._ensure_layout(params)
         layout = self._layout
         if layout is not None and not self._state.grads_measured:
-            self._measure_grads(norms=None if norms is None else self._clip_norms(layout, params, norms))
+            shared = None if norms is None else self._clip_norms(layout, params, norms)
+            self._measure_grads(norms=shared)
+            # the clip scales exactly these gradients by one factor only when it covered the measured ones
+            self._state.clip_measured = shared is not None
 
     def _clip_norms(self, layout: ParamLayout, params: list[torch.Tensor], norms: torch.Tensor) -> torch.Tensor | None:
         """``norms`` (aligned with ``params``) reordered to the layout's parameters; None when some are missing."""
@@ -695,7 +741,7 @@ class Capture:
         if grads_intact and not state.grads_measured and self._layout is not None:
             self._measure_grads()
         rhythm.step_closed()
-        carried: tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]] = ({}, [])
+        carried: tuple[dict[str, list[stats.ActStat]], list[torch.Tensor]] = ({}, [])
         next_batch = None
         if reason not in ("zero_grad", "close"):  # ends at the next backward(): the next forward already ran
             rhythm.late = True
@@ -797,18 +843,20 @@ class Capture:
         ):
             state.snapshot = self._snapshot(layout)
 
-    def _snapshot(self, layout: ParamLayout) -> list[torch.Tensor]:
+    def _snapshot(self, layout: ParamLayout) -> _Snapshot:
         """The parameters' values now, copied into buffers kept for the capture's life (allocating fresh memory on
-        every sampled step cost several times the copy itself)."""
-        params = [p.detach() for p in layout.params]
+        every sampled step cost several times the copy itself), and their norms (``‖w before‖`` of the update
+        ratio), read right after the copy while the buffers are still in the cache."""
+        params = layout.params
         kept = self._snapshot_buffers
         if kept is None or kept[0] is not layout or any(
             b.shape != p.shape or b.dtype != p.dtype or b.device != p.device
             for b, p in zip(kept[1], params, strict=True)
         ):
-            kept = self._snapshot_buffers = (layout, [torch.empty_like(p) for p in params])
-        torch._foreach_copy_(kept[1], params)
-        return kept[1]
+            kept = self._snapshot_buffers = (layout, [torch.empty_like(p, requires_grad=False) for p in params])
+        with torch.no_grad():
+            torch._foreach_copy_(kept[1], params)
+        return _Snapshot(kept[1], stats.tensor_norms(kept[1], self._device()))
 
     def _ensure_layout(self, params: list[torch.Tensor] | None) -> None:
         """Find the model (auto mode) and group the measured parameters by module, once."""
@@ -823,7 +871,7 @@ class Capture:
         self._layout_has_optimizer = optimizer is not None
         snapshot = self._state.snapshot
         if previous is not None and snapshot is not None and (
-            len(snapshot) != len(self._layout.params)
+            len(snapshot.buffers) != len(self._layout.params)
             or any(a is not b for a, b in zip(previous.params, self._layout.params, strict=False))
         ):
             self._state.snapshot = None  # taken for another parameter list
@@ -866,6 +914,8 @@ class Capture:
         grads = [p.grad for p in layout.params] if given is None else given
         if norms is None:
             norms = stats.tensor_norms(grads, device)
+        if given is None and self._stats_due(self._step):
+            state.grad_norms = _GradNorms.now(norms, grads)
         if self._own_grad_norm:
             total = torch.linalg.vector_norm(norms).reshape(1)
             state.grad_parts.append((["grad_norm"], total))
@@ -900,20 +950,28 @@ class Capture:
             return
         device, n = self._device(), len(layout.modules)
         index = layout.index(device)
-        params = [p.detach() for p in layout.params]
-        param_sq = stats.segment_sum(stats.tensor_norms(params, device).square(), index, n)
+        params, snapshot = layout.params, state.snapshot
+        with torch.no_grad():
+            if snapshot is None:
+                param_sq = stats.segment_sum(stats.tensor_norms(params, device).square(), index, n)
+            else:  # one pass makes -delta in the kept buffers, one fused norm pass reads the parameters and them
+                torch._foreach_sub_(snapshot.buffers, params)
+                both = stats.tensor_norms([*params, *snapshot.buffers], device).square()
+                sums = stats.segment_sum(both, layout.index(device, repeat=2), 2 * n)
+                before_sq = stats.segment_sum(snapshot.norms.square(), index, n)
+                param_sq = sums[:n]
+                state.parts.append((layout.names("update_ratio"), (sums[n:] / before_sq).sqrt()))
+                state.snapshot = None
         state.parts.append((layout.names("param_norm"), param_sq.sqrt()))
-        if state.snapshot is not None:
-            before_sq = stats.segment_sum(stats.tensor_norms(state.snapshot, device).square(), index, n)
-            torch._foreach_sub_(state.snapshot, params)  # the persistent buffer now holds -delta (no allocation)
-            delta_sq = stats.segment_sum(stats.tensor_norms(state.snapshot, device).square(), index, n)
-            state.parts.append((layout.names("update_ratio"), (delta_sq / before_sq).sqrt()))
-            state.snapshot = None
         adam = self._adam_state(optimizer, layout.params)
         if adam is not None:
             vs, beta2, steps = adam
-            gs = [p.grad if v is not None else None for p, v in zip(layout.params, vs, strict=True)]
-            g_sq, v_prev = stats.adam_lag(gs, vs, beta2, steps, index, n, device)
+            known = state.grad_norms
+            if known is not None and known.current(layout.params):  # no second pass over the gradients
+                g_sq, v_prev = stats.adam_lag(None, vs, beta2, steps, index, n, device, grad_norms=known.norms)
+            else:
+                gs = [p.grad if v is not None else None for p, v in zip(layout.params, vs, strict=True)]
+                g_sq, v_prev = stats.adam_lag(gs, vs, beta2, steps, index, n, device)
             ratio = torch.where(v_prev > 0, g_sq / v_prev, torch.full_like(v_prev, ABSENT))
             state.parts.append((layout.names("adam_v_ratio"), ratio))
         self._activation_stats(state)
@@ -1034,10 +1092,10 @@ class Capture:
             logger.warning("stability: %d errors in capture hooks; capture disabled for the rest of the run", count)
 
 
-def _forward_tail(state: _StepState) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]]:
+def _forward_tail(state: _StepState) -> tuple[dict[str, list[stats.ActStat]], list[torch.Tensor]]:
     """Remove and return the activation / logit entries recorded after the step's last ``backward()``."""
     acts_at, logits_at = state.forward_marks if state.forward_marks is not None else ({}, 0)
-    tail: dict[str, list[torch.Tensor]] = {}
+    tail: dict[str, list[stats.ActStat]] = {}
     for name, values in list(state.acts.items()):
         keep = acts_at.get(name, 0)
         if len(values) > keep:

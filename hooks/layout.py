@@ -35,7 +35,7 @@ class ParamLayout:
     """Module paths, one per group."""
     module_objects: list[torch.nn.Module | None]
     """The module of each group (None for ``_other``)."""
-    _index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    _index: dict[tuple[torch.device, int], torch.Tensor] = field(default_factory=dict)
     _names: dict[str, list[str]] = field(default_factory=dict)
 
     @property
@@ -43,11 +43,16 @@ class ParamLayout:
         """Bytes of all measured parameters (what a snapshot for update ratios costs)."""
         return sum(p.numel() * p.element_size() for p in self.params)
 
-    def index(self, device: torch.device) -> torch.Tensor:
-        """The owner index as an int64 tensor on ``device``, made once (pinned + non-blocking copy on CUDA)."""
-        cached = self._index.get(device)
+    def index(self, device: torch.device, *, repeat: int = 1) -> torch.Tensor:
+        """The owner index as an int64 tensor on ``device``, made once (pinned + non-blocking copy on CUDA).
+
+        ``repeat=k``: the index of ``k`` concatenated per-parameter vectors into ``k`` concatenated module vectors
+        (copy ``j`` of parameter ``i`` goes to ``j * len(modules) + owners[i]``), for one segment sum over several
+        per-parameter statistics."""
+        cached = self._index.get((device, repeat))
         if cached is None:
-            cached = self._index[device] = to_device(torch.tensor(self.owners, dtype=torch.int64), device)
+            owners = [j * len(self.modules) + o for j in range(repeat) for o in self.owners]
+            cached = self._index[(device, repeat)] = to_device(torch.tensor(owners, dtype=torch.int64), device)
         return cached
 
     def names(self, quantity: str) -> list[str]:

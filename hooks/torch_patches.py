@@ -56,8 +56,11 @@ class PatchListener(Protocol):
     def before_zero_grad(self, module: torch.nn.Module) -> None:
         """``module.zero_grad()`` is about to run (optional)."""
 
-    def after_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor]) -> None:
-        """``clip_grad_norm_(parameters, ...)`` returned (optional)."""
+    def after_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor],
+                   clipped: tuple[torch.Tensor, float] | None = None) -> None:
+        """``clip_grad_norm_(parameters, ...)`` returned (optional); ``clipped``: ``(total norm, max_norm)`` when
+        the patch clipped with the norms it gave ``before_clip`` (the gradients were multiplied by
+        ``clamp(max_norm / (total + 1e-6), max=1)``, torch's formula), else None."""
 
     def on_scale(self, scaler: Any, output: torch.Tensor) -> None:
         """``scaler.scale(loss)`` returned ``output``."""
@@ -230,12 +233,13 @@ def _wrap_clip(original: Callable[..., Any]) -> Callable[..., Any]:
         _notify("before_clip", parameters, None if shared is None else shared[0])
         if shared is None:
             result = original(parameters, *args, **kwargs)
+            clipped = None
         else:
             _norms, total, max_norm, foreach = shared
             assert _clip_with_norm is not None
             _clip_with_norm(parameters, max_norm, total, foreach)
-            result = total
-        _notify("after_clip", parameters)
+            result, clipped = total, (total, float(max_norm))
+        _notify("after_clip", parameters, clipped)
         return result
 
     return clip_grad_norm_

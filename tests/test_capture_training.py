@@ -223,7 +223,21 @@ def test_sampled_statistics_and_activation_hooks_exist_only_on_sampled_steps():
             assert record.get("logit_z") == pytest.approx(logit_z[record.step], rel=1e-5)
 
 
-def test_update_ratio_param_norm_adam_and_activation_stats_match_references():
+def _clip_then_edit(model: nn.Module) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    for p in list(model.parameters())[::3]:  # the loop changes some clipped gradients in place before the step
+        p.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("before_step", [
+    lambda model: None,
+    lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05),  # clips: Adam sees scaled gradients
+    lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6),  # no clipping (factor 1)
+    _clip_then_edit,
+], ids=["plain", "clipped", "clip-noop", "clip-then-edit"])
+def test_update_ratio_param_norm_adam_and_activation_stats_match_references(before_step):
+    """The reference is computed from the gradients the optimizer used: the capture's reuse of the norms it took
+    before clipping (scaled by the clip factor) must give the same Adam statistic, and must notice an edit."""
     model = make_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sink = ListSink()
@@ -240,6 +254,7 @@ def test_update_ratio_param_norm_adam_and_activation_stats_match_references():
         for step in range(3):
             outputs.clear()
             lm_loss(model, tokens(step)).backward()
+            before_step(model)
             before = {p: p.detach().clone() for p in model.parameters()}
             v_before = {p: opt.state[p]["exp_avg_sq"].double().clone() for p in model.parameters() if p in opt.state}
             opt.step()

@@ -131,12 +131,30 @@ def test_logits_are_taken_only_where_the_output_exposes_them():
 
 def test_activation_stats_are_absmax_and_mean_square():
     x = torch.tensor([[1.0, -3.0], [2.0, 0.0]])
-    assert stats.activation_stats(x).tolist() == pytest.approx([-3.0, 2.0, 14.0 / 4])
+    got = stats.activation_stats(x)
+    assert [float(got.low), float(got.high), float(got.sum_sq), got.numel] == pytest.approx([-3.0, 2.0, 14.0, 4])
     y = torch.tensor([4.0, 0.0])
     absmax, rms = stats.activation_summary([[stats.activation_stats(x)], [stats.activation_stats(y)]])
     assert absmax.tolist() == [3.0, 4.0] and rms.tolist() == pytest.approx([(14.0 / 4) ** 0.5, 8.0**0.5])
     absmax, rms = stats.activation_summary([[stats.activation_stats(x), stats.activation_stats(y)]])  # two calls
     assert absmax.tolist() == [4.0] and rms.tolist() == pytest.approx([((14.0 / 4 + 8.0) / 2) ** 0.5])
+    mixed = [[stats.activation_stats(x)], [stats.activation_stats(y), stats.activation_stats(-y)]]
+    absmax, rms = stats.activation_summary(mixed)
+    assert absmax.tolist() == [3.0, 4.0] and rms.tolist() == pytest.approx([(14.0 / 4) ** 0.5, 8.0**0.5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_one_nonfinite_activation_element_shows_in_both_statistics(dtype, bad):
+    """Both passes read every element: one NaN or Inf anywhere (also in a non-contiguous view) reaches
+    ``act_absmax`` and ``act_rms`` exactly, never averaged or sampled away."""
+    for x in (torch.randn(8, 64, 32), torch.randn(8, 64, 32).transpose(0, 1)):
+        x = x.to(dtype)
+        x[5, 7, 3] = bad
+        absmax, rms = stats.activation_summary([[stats.activation_stats(x)], [stats.activation_stats(x[:1] * 0)]])
+        assert not math.isfinite(float(absmax[0])) and not math.isfinite(float(rms[0]))
+        assert math.isnan(float(absmax[0])) == math.isnan(bad) and math.isnan(float(rms[0])) == math.isnan(bad)
+        assert float(absmax[1]) == 0.0 and float(rms[1]) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------- layout
