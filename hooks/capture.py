@@ -175,31 +175,38 @@ def _hook(method: Callable[Concatenate[Capture, _P], None]) -> Callable[Concaten
 
 @dataclass(frozen=True)
 class _Snapshot:
-    """The parameters before a sampled step (in buffers kept for the capture's life) and their per-tensor norms,
-    taken right after the copy while the buffers are still in the cache."""
+    """The parameters before a sampled step (in buffers kept for the capture's life) and their per-tensor squared
+    norms (``‖w before‖²`` of the update ratio)."""
 
     buffers: list[torch.Tensor]
-    norms: torch.Tensor
+    sq_norms: torch.Tensor
 
 
 @dataclass
-class _GradNorms:
-    """Per-tensor L2 norms of the gradients, valid while each parameter still has the same gradient tensor at the
-    same version (torch bumps a tensor's ``_version`` with every in-place change: clipping, unscaling, an
-    optimizer that edits its gradients). Adam's statistic reuses them instead of another pass over the gradients."""
+class _Unchanged:
+    """Per-tensor statistics of some tensors, valid while each is still the same tensor object with the same
+    storage at the same version (torch bumps a tensor's ``_version`` with every in-place change: clipping,
+    unscaling, an optimizer step, ``copy_``/``load_state_dict``). Used so that a later statistic of the same
+    values needs no second pass over them. Not seen: in-place changes made through ``tensor.data``, which torch does
+    not count."""
 
-    norms: torch.Tensor
-    grads: list[torch.Tensor | None]
+    values: torch.Tensor
+    tensors: list[torch.Tensor | None]
     versions: list[int]
+    storage: list[int]
 
     @classmethod
-    def now(cls, norms: torch.Tensor, grads: list[torch.Tensor | None]) -> _GradNorms:
-        return cls(norms, grads, [-1 if g is None else g._version for g in grads])
+    def now(cls, values: torch.Tensor, tensors: Sequence[torch.Tensor | None]) -> _Unchanged:
+        kept = list(tensors)
+        return cls(values, kept, [-1 if t is None else t._version for t in kept],
+                   [0 if t is None else t.data_ptr() for t in kept])
 
-    def current(self, params: Sequence[torch.Tensor]) -> bool:
-        """True when no gradient was replaced or changed in place since the norms were taken."""
-        return all(p.grad is g and (g is None or g._version == v)
-                   for p, g, v in zip(params, self.grads, self.versions, strict=True))
+    def holds_for(self, tensors: Sequence[torch.Tensor | None]) -> bool:
+        """True when ``tensors`` are the same tensors, unchanged since the statistics were taken."""
+        return len(tensors) == len(self.tensors) and all(
+            t is k and (t is None or (t._version == v and t.data_ptr() == d))
+            for t, k, v, d in zip(tensors, self.tensors, self.versions, self.storage, strict=True)
+        )
 
 
 @dataclass
@@ -212,7 +219,8 @@ class _StepState:
     grads_measured: bool = False
     grad_parts: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
     """Gradient statistics, kept apart so a later measurement of the same step replaces them."""
-    grad_norms: _GradNorms | None = None
+    grad_norms: _Unchanged | None = None
+    """Per-tensor norms of the gradients as they are now (Adam's statistic reuses them on sampled steps)."""
     clip_measured: bool = False
     """The gradients were measured by the ``clip_grad_norm_`` in progress, with the norms it clips with."""
     lr_recorded: bool = False
@@ -289,6 +297,8 @@ class Capture:
         self._perf = Performance(config.run_id, config.resolved_run_dir, config.redis_url, self._emit_host,
                                  lambda: self._metadata()[0], enabled=config.timing)  # hooks/timing.py
         self._snapshot_buffers: tuple[ParamLayout, list[torch.Tensor]] | None = None
+        self._param_sq_norms: tuple[int, _Unchanged] | None = None
+        """Step and squared per-tensor parameter norms after the last sampled step's update."""
         self._clip_order: tuple[ParamLayout, tuple[int, ...], torch.Tensor | None] | None = None
 
     # ----------------------------------------------------------------------------------------------- public API
@@ -505,7 +515,7 @@ class Capture:
             if kept is not None and clipped is not None and self._stats_due(self._step):
                 total, max_norm = clipped
                 coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s own formula
-                state.grad_norms = _GradNorms.now(kept.norms * coef.to(kept.norms.device), kept.grads)
+                state.grad_norms = _Unchanged.now(kept.values * coef.to(kept.values.device), kept.tensors)
         if self._manual():
             self._rhythm.after_clip()
 
@@ -846,7 +856,11 @@ class Capture:
     def _snapshot(self, layout: ParamLayout) -> _Snapshot:
         """The parameters' values now, copied into buffers kept for the capture's life (allocating fresh memory on
         every sampled step cost several times the copy itself), and their norms (``‖w before‖`` of the update
-        ratio), read right after the copy while the buffers are still in the cache."""
+        ratio): those the previous step measured after its update when it was sampled and the parameters did not
+        change since (every step with ``stats_every=1``), else read right after the copy. Only the step just before
+        counts, as a loop without an optimizer updates through ``p.data`` (which torch does not count as a change)
+        between two sampled steps. Not seen: a change through ``p.data`` between the optimizer step and the next
+        one (e.g. weight clipping written as ``p.data.clamp_()``); ``‖w before‖`` is then that of before it."""
         params = layout.params
         kept = self._snapshot_buffers
         if kept is None or kept[0] is not layout or any(
@@ -856,7 +870,10 @@ class Capture:
             kept = self._snapshot_buffers = (layout, [torch.empty_like(p, requires_grad=False) for p in params])
         with torch.no_grad():
             torch._foreach_copy_(kept[1], params)
-        return _Snapshot(kept[1], stats.tensor_norms(kept[1], self._device()))
+        last = self._param_sq_norms
+        if last is not None and last[0] == self._step - 1 and last[1].holds_for(params):  # ‖w after‖ of that step
+            return _Snapshot(kept[1], last[1].values)
+        return _Snapshot(kept[1], stats.tensor_norms(kept[1], self._device()).square())
 
     def _ensure_layout(self, params: list[torch.Tensor] | None) -> None:
         """Find the model (auto mode) and group the measured parameters by module, once."""
@@ -915,7 +932,7 @@ class Capture:
         if norms is None:
             norms = stats.tensor_norms(grads, device)
         if given is None and self._stats_due(self._step):
-            state.grad_norms = _GradNorms.now(norms, grads)
+            state.grad_norms = _Unchanged.now(norms, grads)
         if self._own_grad_norm:
             total = torch.linalg.vector_norm(norms).reshape(1)
             state.grad_parts.append((["grad_norm"], total))
@@ -953,22 +970,24 @@ class Capture:
         params, snapshot = layout.params, state.snapshot
         with torch.no_grad():
             if snapshot is None:
-                param_sq = stats.segment_sum(stats.tensor_norms(params, device).square(), index, n)
+                per_tensor = stats.tensor_norms(params, device).square()
+                param_sq = stats.segment_sum(per_tensor, index, n)
             else:  # one pass makes -delta in the kept buffers, one fused norm pass reads the parameters and them
                 torch._foreach_sub_(snapshot.buffers, params)
                 both = stats.tensor_norms([*params, *snapshot.buffers], device).square()
                 sums = stats.segment_sum(both, layout.index(device, repeat=2), 2 * n)
-                before_sq = stats.segment_sum(snapshot.norms.square(), index, n)
-                param_sq = sums[:n]
+                before_sq = stats.segment_sum(snapshot.sq_norms, index, n)
+                per_tensor, param_sq = both[: len(params)], sums[:n]
                 state.parts.append((layout.names("update_ratio"), (sums[n:] / before_sq).sqrt()))
                 state.snapshot = None
+        self._param_sq_norms = (self._step, _Unchanged.now(per_tensor, params))
         state.parts.append((layout.names("param_norm"), param_sq.sqrt()))
         adam = self._adam_state(optimizer, layout.params)
         if adam is not None:
             vs, beta2, steps = adam
             known = state.grad_norms
-            if known is not None and known.current(layout.params):  # no second pass over the gradients
-                g_sq, v_prev = stats.adam_lag(None, vs, beta2, steps, index, n, device, grad_norms=known.norms)
+            if known is not None and known.holds_for([p.grad for p in layout.params]):  # no 2nd pass over them
+                g_sq, v_prev = stats.adam_lag(None, vs, beta2, steps, index, n, device, grad_norms=known.values)
             else:
                 gs = [p.grad if v is not None else None for p, v in zip(layout.params, vs, strict=True)]
                 g_sq, v_prev = stats.adam_lag(gs, vs, beta2, steps, index, n, device)

@@ -229,12 +229,19 @@ def _clip_then_edit(model: nn.Module) -> None:
         p.grad.mul_(0.5)
 
 
+def _shrink_some_parameters(model: nn.Module) -> None:
+    with torch.no_grad():  # between two sampled steps: ‖w before‖ is not the last step's ‖w after‖ any more
+        for p in list(model.parameters())[1::4]:
+            p.mul_(0.9)
+
+
 @pytest.mark.parametrize("before_step", [
     lambda model: None,
     lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05),  # clips: Adam sees scaled gradients
     lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6),  # no clipping (factor 1)
     _clip_then_edit,
-], ids=["plain", "clipped", "clip-noop", "clip-then-edit"])
+    _shrink_some_parameters,
+], ids=["plain", "clipped", "clip-noop", "clip-then-edit", "params-edited"])
 def test_update_ratio_param_norm_adam_and_activation_stats_match_references(before_step):
     """The reference is computed from the gradients the optimizer used: the capture's reuse of the norms it took
     before clipping (scaled by the clip factor) must give the same Adam statistic, and must notice an edit."""
