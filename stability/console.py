@@ -169,15 +169,20 @@ class ConsoleReporter:
         self._thread.start()
         return self
 
-    def stop(self, *, final: bool = True, drained: bool = True, timeout: float = 10.0) -> None:
+    def stop(self, *, final: bool = True, drained: bool = True, timeout: float = 10.0, offline: bool = False) -> None:
         """Read what is left of the stream, print the summary line (``final``), stop the thread. Never raises.
 
         ``drained``: the worker has finished the run (its report exists); False with an external worker that may
-        still be catching up (the summary then says where the report will be)."""
+        still be catching up (the summary then says where the report will be). ``offline``: Redis is not answering
+        (the exit spooled records): read nothing more, summarise what was read."""
         self._halt.set()
         if self._thread is not None:
             self._thread.join(timeout)
         try:
+            if offline:
+                self._client, client = None, self._client
+                if client is not None:
+                    client.close()
             self._read(block_ms=None)
             if final:
                 self._summary(drained)

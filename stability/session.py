@@ -64,7 +64,9 @@ URL_FILE = "url"
 DRAIN_WAIT_S = 60.0
 EXIT_FLUSH_S = 1.0
 """Default bound of the emitter flush when a process using ``import stability.auto`` exits
-(``STABILITY_EXIT_FLUSH_S``); records still queued after it are lost, the rest is in Redis or the spool."""
+(``STABILITY_EXIT_FLUSH_S``); records not in Redis by then go to the run's spool (``stability replay RUN_DIR`` sends
+them), and the exit then touches Redis no more: the run's end goes to ``status.json``, the summary line is printed
+from what the console already read."""
 SUPERVISOR_STOP_S = 45.0
 """How long :meth:`Session.close` waits for the supervisor to stop the worker and redis-server."""
 
@@ -155,9 +157,10 @@ class Session:
         """
         if not wait_drained:
             self.emitter.close(timeout=min(timeout, EXIT_FLUSH_S if flush_s is None else flush_s))
-            self._record_end(died)
+            offline = self.emitter.abandoned  # Redis did not take the records in time: do not wait on it again
+            self._record_end(died, offline=offline)
             if self.reporter is not None:
-                self.reporter.stop(drained=False, timeout=1.0)
+                self.reporter.stop(drained=False, timeout=1.0, offline=offline)
                 self.reporter = None
             if self.supervisor is not None and self.supervisor.poll() is None:
                 with contextlib.suppress(ProcessLookupError):  # "clean exit": let the other ranks end first
@@ -165,12 +168,13 @@ class Session:
             self.supervisor = None  # it outlives us on purpose (see stability.supervisor)
             return
         self.emitter.close(timeout=min(timeout, 30.0))
-        self._record_end(died)
+        offline = self.emitter.abandoned
+        self._record_end(died, offline=offline)
         drained = False
-        if self.supervisor is not None and self.local_worker:
+        if self.supervisor is not None and self.local_worker and not offline:
             drained = self._wait_drained(timeout)
         if self.reporter is not None:
-            self.reporter.stop(drained=drained)
+            self.reporter.stop(drained=drained, offline=offline)
             self.reporter = None
         if self.supervisor is not None:
             _stop_process(self.supervisor, SUPERVISOR_STOP_S, group=False)
@@ -183,20 +187,28 @@ class Session:
         worker finish the run (findings and report of what was recorded) and then stops them.
         """
         self.emitter.close(timeout=timeout)
-        self._record_end(reason)
+        offline = self.emitter.abandoned
+        self._record_end(reason, offline=offline)
         if self.reporter is not None:
             with contextlib.suppress(Exception):
-                self.reporter.stop(drained=False)
+                self.reporter.stop(drained=False, offline=offline)
             self.reporter = None
 
-    def _record_end(self, died: str | None) -> None:
-        """``died`` (with the reason), or ``finished`` once every rank with a stream has ended cleanly."""
+    def _record_end(self, died: str | None, *, offline: bool = False) -> None:
+        """``died`` (with the reason), or ``finished`` once every rank with a stream has ended cleanly.
+
+        ``offline``: Redis did not answer the emitter in time; the end goes to ``status.json`` only (``stability
+        replay`` carries it to Redis with the spool), so the exit does not wait on Redis again."""
         import redis
 
         from stability import runstate
 
-        client = _quick_client(self.redis_url, 2.0)
         run_dir = self.run_dir if self.supervisor is not None or self.rank == 0 else None
+        if offline:
+            if run_dir is not None:
+                self._write_local_end(run_dir, died)
+            return
+        client = _quick_client(self.redis_url, 2.0)
         try:
             if died is not None:
                 runstate.mark(client, self.config.run_id, runstate.DIED, reason=died, run_dir=run_dir)
@@ -209,12 +221,16 @@ class Session:
         except (redis.RedisError, OSError) as exc:
             log.info("stability: could not record the end of run %s (%s)", self.config.run_id, exc)
             if run_dir is not None:  # ``stability replay`` carries it to Redis with the spool
-                local_end = runstate.RunStatus(status=runstate.DIED if died is not None else runstate.FINISHED,
-                                               reason=died or "", time=time.time(), host=socket.gethostname(),
-                                               pid=os.getpid())
-                runstate.write_status_file(run_dir, self.config.run_id, local_end)
+                self._write_local_end(run_dir, died)
         finally:
             client.close()
+
+    def _write_local_end(self, run_dir: Path, died: str | None) -> None:
+        from stability import runstate
+
+        local_end = runstate.RunStatus(status=runstate.DIED if died is not None else runstate.FINISHED,
+                                       reason=died or "", time=time.time(), host=socket.gethostname(), pid=os.getpid())
+        runstate.write_status_file(run_dir, self.config.run_id, local_end)
 
     def _wait_drained(self, timeout: float) -> bool:
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,82 @@ def test_replay_refuses_out_of_order_entries_and_keeps_the_spool(redis_server: R
     assert "rank 0: 1 records replayed, 1 already in Redis, 1 refused" in proc.stdout
     assert spool.exists()
     client.close()
+
+
+FROZEN_SCRIPT = """
+import os, signal, sys
+import torch
+import stability.auto  # noqa: F401
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+x, y = torch.randn(32, 8), torch.randn(32, 1)
+steps, freeze_at = int(os.environ["STEPS"]), int(os.environ["FREEZE_AT"])
+for step in range(steps):
+    if step == freeze_at:
+        stability.auto.handle.flush(60)  # everything so far is in Redis
+        os.kill(int(os.environ["FREEZE_PID"]), signal.SIGSTOP)  # Redis hangs for the rest of the run and the exit
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+print("last step done", flush=True)
+"""
+
+
+def test_exit_with_a_hung_redis_spools_every_unsent_record_and_replay_delivers_them(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Redis freezes (SIGSTOP) near the end of training and stays frozen while the process exits: the exit does
+    not wait for it (the process is gone while Redis is still stopped), every record Redis does not have is in the
+    run's spool, in order, and ``stability replay`` then delivers them: every step once, in order."""
+    steps, freeze_at = 120, 80
+    script, run_dir = tmp_path / "train.py", tmp_path / "run"
+    script.write_text(FROZEN_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STABILITY_", "WANDB_"))}
+    env.update(PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", STABILITY_REDIS_URL=redis_server.url,
+               STABILITY_RUN_ID=RUN, STABILITY_RUN_DIR=str(run_dir), STABILITY_TIMING="0",
+               # the round trip in flight at the freeze outlasts the exit's flush bound: close() takes it over
+               STABILITY_REDIS_TIMEOUT_S="10", STABILITY_EXIT_FLUSH_S="0.5",
+               STEPS=str(steps), FREEZE_AT=str(freeze_at), FREEZE_PID=str(redis_server.pid))
+    pid = redis_server.pid
+    assert pid is not None
+    try:
+        proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+        frozen = _stopped(pid)  # the process ended while Redis was still stopped: nothing waited for it
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "last step done" in proc.stdout and frozen
+    assert "did not take the last" in proc.stderr and "stability replay" in proc.stderr
+
+    from stability import supervisor
+    from stability.records import decode
+    from stability.transport import read_spool
+
+    assert supervisor.wait_stopped(run_dir, 120)  # the watchdog of an external-Redis run saw a clean exit
+    client: redis.Redis[bytes] = redis.Redis.from_url(redis_server.url)
+    in_redis = [parse_id(entry_id)[1] for entry_id, _ in client.xrange(keys.records(RUN, 0))]
+    spool = spool_path(run_dir / "spool", 0)
+    spooled = [decode(payload).step for _entry_id, payload in read_spool(spool)]
+    assert spooled == sorted(spooled) and spooled[-1] == steps - 1  # in order, up to the last step
+    assert set(in_redis) | set(spooled) == set(range(steps)), (in_redis, spooled)  # nothing lost
+    assert in_redis[:freeze_at] == list(range(freeze_at))
+    assert runstate.read_status(client, RUN).status == runstate.RUNNING  # the exit did not wait to record it
+    local = runstate.read_status_file(run_dir)
+    assert local is not None and local.status == runstate.FINISHED  # ... it went to status.json instead
+
+    proc2 = cli("replay", str(run_dir), "--redis", redis_server.url)
+    assert proc2.returncode == 0, proc2.stderr
+    steps_now = [parse_id(entry_id)[1] for entry_id, _ in client.xrange(keys.records(RUN, 0))]
+    assert steps_now == list(range(steps))  # every record once, in order
+    assert not spool.exists()
+    assert client.hexists(keys.meta(RUN), "ended:0")
+    assert runstate.read_status(client, RUN).status == runstate.FINISHED
+    client.close()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T in /proc)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] in "Tt"

@@ -6,6 +6,12 @@ queued, so resending it is harmless: Redis rejects an ID that is not above the s
 duplicate. When a round trip fails, the batch and everything after it goes to the spool file; when Redis answers
 again (tried at most once per second, backing off to 5 s) the whole spool is replayed first, then removed.
 
+Nothing is lost at exit either: :meth:`Emitter.close` waits at most its ``timeout`` for the thread; the records it
+has not handled by then (the batch in flight and everything queued: Redis hung, or slower than the bound) are
+written to the spool by the closing thread itself, and the emitter thread, still blocked on Redis, no longer
+touches the spool. A batch in flight that Redis did take after all is then in both places: its IDs make the
+replay (``stability replay RUN_DIR``) count it as already there.
+
 Nothing is lost silently (issue 14): a batch the spool cannot take (disk full) is counted in ``unspooled``, logged
 with the running total, kept in ``lost-rank<rank>`` beside the spool (reserved before the first spool write and
 rewritten in place, so a full disk can still take it) and added to the run's ``lost`` count in Redis once it answers
@@ -19,11 +25,11 @@ at start then means spooling, as with one server. A rank's stream is one key, so
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -89,6 +95,8 @@ class EmitterStats:
     """XADDs rejected because Redis already had the entry (a resend after a timeout or a repeated replay)."""
     unspooled: int = 0
     """Records that Redis did not take and the spool could not hold either (disk full): lost, also in ``errors``."""
+    left_at_close: int = 0
+    """Records :meth:`Emitter.close` found unsent after its timeout and wrote to the spool (also in ``spooled``)."""
 
 
 class _Outcome:
@@ -156,11 +164,20 @@ class Emitter:
         """Records known lost (unspooled, damaged spool regions) not yet added to the run's ``lost`` count."""
         self._misconfigured = ""
         self._lost_reserved = False
-        self._queue: queue.Queue[Entry] = queue.Queue(maxsize=queue_size)
+        self._queue: collections.deque[Entry] = collections.deque()
+        self._queue_size = queue_size
         self._lock = threading.Lock()
         self._done_cond = threading.Condition(self._lock)
+        self._ready = threading.Condition(self._lock)
+        self._in_flight: list[Entry] = []
+        """The batch the emitter thread took from the queue and has not finished handling (under ``_lock``)."""
+        self._spool_lock = threading.Lock()
+        """Held for every spool write or removal: the emitter thread's, and :meth:`close`'s for what is left."""
+        self._abandoned = False
+        """:meth:`close` timed out and took over the unsent records: the emitter thread must not spool any more."""
         self._ids = IdClock()
-        names = ("queued", "sent", "spooled", "replayed", "dropped", "errors", "unspooled", "duplicates")
+        names = ("queued", "sent", "spooled", "replayed", "dropped", "errors", "unspooled", "duplicates",
+                 "left_at_close")
         self._counts = dict.fromkeys(names, 0)
         self._handled = 0
         self._closed = False
@@ -199,13 +216,12 @@ class Emitter:
                 if self._closed:
                     self._counts["dropped"] += 1
                     return False
-                entry = (self._ids.next(record.wall_time, record.step), payload)
-                try:
-                    self._queue.put_nowait(entry)
-                except queue.Full:
+                if len(self._queue) >= self._queue_size:
                     self._counts["dropped"] += 1
                     return False
+                self._queue.append((self._ids.next(record.wall_time, record.step), payload))
                 self._counts["queued"] += 1
+                self._ready.notify()
                 return True
         except Exception as exc:  # a bad record must never reach into training
             with self._lock:
@@ -227,16 +243,45 @@ class Emitter:
         """Flush, replay the spool if Redis is up, mark this rank ended in the run's meta hash. Idempotent.
 
         Records ``put`` after ``close`` are dropped. If Redis is down, the spool file stays for a later replay
-        (or the post-mortem).
+        (or the post-mortem). If the emitter thread has not finished within ``timeout`` seconds (Redis hung or
+        slow), the records it has not handled are written to the spool here, in order, and the rank is not marked
+        ended (``stability replay`` does that once it has sent them).
         """
         with self._lock:
             self._closed = True
+            self._ready.notify_all()
         self._stop.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
+            self._take_over()
+
+    def _take_over(self) -> None:
+        """Write every record the emitter thread has not handled to the spool (after a timed-out close)."""
+        with self._spool_lock:
+            with self._lock:
+                if self._abandoned:
+                    return
+                self._abandoned = True
+                left = [*self._in_flight, *self._queue]
+                self._in_flight = []
+                self._queue.clear()
+            if left:
+                self._to_spool(left, taken_over=True)
+        with self._done_cond:
+            self._counts["left_at_close"] += len(left)
+            self._handled += len(left)
+            self._done_cond.notify_all()
+        if left:
             logger.warning(
-                "emitter of rank %d did not finish within %.1fs; unsent records stay queued", self.rank, timeout
+                "rank %d: Redis at %s did not take the last %d records in time; they are in the spool %s "
+                "('stability replay <run dir>' sends them)", self.rank, self._url, len(left), self._spool.path,
             )
+
+    @property
+    def abandoned(self) -> bool:
+        """True when :meth:`close` timed out and put the unsent records in the spool (Redis did not answer)."""
+        with self._lock:
+            return self._abandoned
 
     def __enter__(self) -> Emitter:
         return self
@@ -249,12 +294,17 @@ class Emitter:
     def _run(self) -> None:
         self._guarded(self._adopt_lost_file)
         self._guarded(self._connect)
-        while not (self._stop.is_set() and self._queue.empty()):
+        while True:
+            with self._lock:
+                if self._abandoned or (self._stop.is_set() and not self._queue):
+                    break
             batch = self._next_batch()
             if not self._up and time.monotonic() >= self._retry_at:
                 self._guarded(self._connect)
             if batch:
                 self._deliver(batch)
+        if self.abandoned:  # close() took the rest over; Redis is not answering: leave it alone
+            return
         if not self._up:
             self._guarded(self._connect)
         self._guarded(self._mark_ended)
@@ -279,16 +329,16 @@ class Emitter:
             self._log_limited("bug", logging.ERROR, "emitter of rank %d: unexpected %r", self.rank, exc)
 
     def _next_batch(self) -> list[Entry]:
-        try:
-            batch = [self._queue.get(timeout=0.05 if self._stop.is_set() else 0.2)]
-        except queue.Empty:
-            return []
-        while len(batch) < self._batch_max:
-            try:
-                batch.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-        return batch
+        """Take up to ``batch_max`` queued records (waiting a little for the first); they are in flight until
+        :meth:`_deliver` has handled them."""
+        with self._ready:
+            if not self._queue and not self._abandoned:
+                self._ready.wait(0.05 if self._stop.is_set() else 0.2)
+            if self._abandoned:
+                return []
+            batch = [self._queue.popleft() for _ in range(min(self._batch_max, len(self._queue)))]
+            self._in_flight = batch
+            return batch
 
     def _deliver(self, batch: list[Entry]) -> None:
         try:
@@ -301,8 +351,10 @@ class Emitter:
             self._guarded(lambda: self._to_spool(batch))
         finally:
             with self._done_cond:
-                self._handled += len(batch)
-                self._done_cond.notify_all()
+                if self._in_flight is batch:  # else close() took it over (and counts it)
+                    self._in_flight = []
+                    self._handled += len(batch)
+                    self._done_cond.notify_all()
 
     def _send_live(self, batch: list[Entry]) -> None:
         try:
@@ -350,7 +402,22 @@ class Emitter:
                 )
         return outcome
 
-    def _to_spool(self, batch: Sequence[Entry]) -> None:
+    def _to_spool(self, batch: Sequence[Entry], *, taken_over: bool = False) -> None:
+        if taken_over:  # close() itself, holding the spool lock
+            self._append_to_spool(batch)
+            return
+        with self._spool_lock:
+            with self._lock:
+                if self._abandoned:  # close() has put this batch in the spool already
+                    return
+            self._append_to_spool(batch)
+            with self._lock:
+                if self._in_flight is batch:  # spooled: close() must not take it over again
+                    self._in_flight = []
+                    self._handled += len(batch)
+                    self._done_cond.notify_all()  # the same lock
+
+    def _append_to_spool(self, batch: Sequence[Entry]) -> None:
         if not self._lost_reserved:  # while the disk has room: a later count is then written in place
             self._lost_reserved = self._write_lost_file()
         try:
@@ -429,7 +496,10 @@ class Emitter:
         with self._lock:
             self._counts["errors"] += reader.damaged
             self._lost_pending += reader.damaged
-        self._spool.remove()
+        with self._spool_lock, self._lock:
+            if self._abandoned:  # close() appended what was left: the file stays for ``stability replay``
+                return False
+            self._spool.remove()
         skipped = f"; {reader.damaged} damaged regions skipped" if reader.damaged else ""
         level = logging.ERROR if reader.damaged else logging.INFO
         logger.log(level, "rank %d: spool %s replayed%s", self.rank, self._spool.path, skipped)
