@@ -6,6 +6,9 @@ redis-server and local worker, a private run directory per run), and reports per
 
 * ``total``: the process's wall time from start to exit;
 * ``exit``: from the script's last step to the process's exit (what the user waits for after training);
+* ``cpu``: the training process's own CPU time (user + system, from ``wait4``): what the import, the capture and
+  the session's work in the trainer cost it, undisturbed by other processes on a shared machine (the supervisor,
+  redis-server and worker it starts are not included: they run in their own processes);
 * for the stability variant ``report``: from the process's exit until ``findings.json`` is written by the local
   worker, which finishes draining in the background after the training process is gone.
 
@@ -45,15 +48,22 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_script(script: Path, stability: bool, steps: int, run_dir: Path) -> tuple[float, float, float | None]:
-    """(total, exit, report) seconds of one run; ``report`` None without stability or when no report came."""
+def run_script(script: Path, stability: bool, steps: int, run_dir: Path) -> tuple[float, float, float, float | None]:
+    """(total, exit, cpu, report) seconds of one run; ``report`` None without stability or when no report came."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STABILITY_", "WANDB_"))}
     env.update(OMP_NUM_THREADS="1", STABILITY_RUN_DIR=str(run_dir), STABILITY_QUIET="1")
+    out = run_dir.parent / f"{run_dir.name}.out"
     start = time.time()
-    proc = subprocess.run([sys.executable, str(script), "1" if stability else "0", str(steps)], env=env,
-                          capture_output=True, text=True, timeout=300, check=True)
+    with out.open("w") as stdout:
+        proc = subprocess.Popen([sys.executable, str(script), "1" if stability else "0", str(steps)], env=env,
+                                stdout=stdout, stderr=subprocess.DEVNULL)
+        _pid, status, usage = os.wait4(proc.pid, 0)
     ended = time.time()
-    last = float(next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("LAST")))
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the training script exited with {proc.returncode}")
+    cpu = usage.ru_utime + usage.ru_stime
+    last = float(next(line.split()[1] for line in out.read_text().splitlines() if line.startswith("LAST")))
     report = None
     if stability:
         findings = run_dir / "findings.json"
@@ -61,7 +71,7 @@ def run_script(script: Path, stability: bool, steps: int, run_dir: Path) -> tupl
         while not findings.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
         report = time.time() - ended if findings.exists() else None
-    return ended - start, ended - last, report
+    return ended - start, ended - last, cpu, report
 
 
 def best_of(cmd: list[str], rounds: int) -> float:
@@ -81,20 +91,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="stability-bench-startup-") as tmp:
         script = Path(tmp) / "train.py"
         script.write_text(SCRIPT)
-        results: dict[bool, list[tuple[float, float, float | None]]] = {False: [], True: []}
+        results: dict[bool, list[tuple[float, float, float, float | None]]] = {False: [], True: []}
         for r in range(args.rounds):
             for stability in (False, True):
-                results[stability].append(run_script(script, stability, args.steps, Path(tmp) / f"run{r}"))
-        plain_total = statistics.median(t for t, _, _ in results[False])
-        print(f"tiny MLP, {args.steps} steps, {args.rounds} rounds, median seconds")
+                results[stability].append(run_script(script, stability, args.steps, Path(tmp) / f"run{r}-{stability}"))
+        plain_total = statistics.median(row[0] for row in results[False])
+        plain_cpu = statistics.median(row[2] for row in results[False])
+        print(f"tiny MLP, {args.steps} steps, {args.rounds} rounds, median seconds, load average "
+              f"{os.getloadavg()[0]:.1f}")
         for stability, label in ((False, "plain script"), (True, "with import stability.auto")):
             rows = results[stability]
-            total = statistics.median(t for t, _, _ in rows)
-            exit_s = statistics.median(e for _, e, _ in rows)
-            reports = [x for _, _, x in rows if x is not None]
+            total = statistics.median(row[0] for row in rows)
+            exit_s = statistics.median(row[1] for row in rows)
+            cpu = statistics.median(row[2] for row in rows)
+            reports = [row[3] for row in rows if row[3] is not None]
             extra = f"  report {statistics.median(reports):.2f} s after exit" if reports else ""
-            print(f"{label:28s} total {total:6.2f} s (x{total / plain_total:.3f}, {total - plain_total:+.2f} s)"
-                  f"  exit {exit_s:5.2f} s after the last step{extra}")
+            print(f"{label:28s} total {total:6.2f} s ({total - plain_total:+.2f} s)  exit {exit_s:5.2f} s after the "
+                  f"last step  process CPU {cpu:5.2f} s ({cpu - plain_cpu:+.2f} s){extra}")
         bare = best_of([sys.executable, "-c", "pass"], args.rounds)
         helped = best_of([sys.executable, "-m", "stability.cli", "--help"], args.rounds)
         print(f"python -c pass               {bare:6.3f} s (best of {args.rounds})")
