@@ -10,6 +10,10 @@ thread's work is included) which is far less disturbed by other processes on a s
 auto mode (``attach()`` with no arguments, as ``import stability.auto`` does) into an in-memory sink, so the
 transport is not measured here.
 
+A third clock, the least disturbed by a shared machine: the training thread's CPU time spent *inside* the capture's
+hooks (every hook the capture registers or the torch patches call), per step, against the baseline step's process
+CPU time: ``hooks`` in the output.
+
     OMP_NUM_THREADS=1 python bench/bench_overhead.py [--rounds 9] [--steps 6] [--batch 8] [--layers 4] [--device cpu]
 """
 
@@ -52,18 +56,46 @@ def make_loop(batch: int, device: str = "cpu", layers: int = 4) -> tuple[Callabl
     return run, model
 
 
-def timed(run: Callable[[int], None], steps: int, config: WatchConfig | None) -> tuple[float, float]:
-    """(wall, process CPU) seconds per step over ``steps`` steps after 2 untimed ones, capturing with ``config``."""
+HOOKS = ("on_backward", "before_backward", "before_zero_grad", "before_clip", "after_clip", "on_scale",
+         "before_scaler_step", "after_scaler_step", "_on_pre_step", "_on_post_step", "_on_any_forward_pre",
+         "_on_any_forward", "_on_model_forward", "_on_activation", "_on_model_output")
+"""The capture's entry points on the training thread (nested calls are not counted twice)."""
+_in_hooks = [0.0, 0]
+
+
+def _count_hook_time() -> None:
+    """Wrap the capture's entry points to add the thread CPU time spent in them to ``_in_hooks[0]``."""
+
+    def wrap(method: Callable[..., None]) -> Callable[..., None]:
+        def counted(*args: object, **kwargs: object) -> None:
+            _in_hooks[1] += 1
+            start = time.thread_time() if _in_hooks[1] == 1 else 0.0
+            try:
+                method(*args, **kwargs)
+            finally:
+                _in_hooks[1] -= 1
+                if _in_hooks[1] == 0:
+                    _in_hooks[0] += time.thread_time() - start
+
+        return counted
+
+    for name in HOOKS:
+        setattr(Capture, name, wrap(getattr(Capture, name)))
+
+
+def timed(run: Callable[[int], None], steps: int, config: WatchConfig | None) -> tuple[float, float, float]:
+    """(wall, process CPU, CPU in hooks) seconds per step over ``steps`` steps after 2 untimed ones, capturing with
+    ``config``."""
     capture = Capture(config, ListSink()).attach() if config is not None else None
     try:
         run(2)
         if capture is not None:
             capture.flush()
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, _in_hooks[0] = time.perf_counter(), time.process_time(), 0.0
         run(steps)
         if capture is not None:
             capture.flush()  # the reader thread's work belongs to these steps
-        return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
+        return ((time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps, _in_hooks[0] / steps)
     finally:
         if capture is not None:
             capture.close()
@@ -78,6 +110,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks (24: 293 parameter tensors)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (bench/gpu_check.sh uses cuda)")
     args = parser.parse_args()
+    _count_hook_time()
     run, model = make_loop(args.batch, args.device, args.layers)
     modes: dict[str, WatchConfig | None] = {
         "baseline (no stability)": None,
@@ -86,6 +119,7 @@ def main() -> None:
     }
     walls: dict[str, list[float]] = {name: [] for name in modes}
     cpus: dict[str, list[float]] = {name: [] for name in modes}
+    hooks: dict[str, list[float]] = {name: [] for name in modes}
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"TinyGPT {args.layers} layers, {n_params / 1e6:.2f}M params, {len(list(model.parameters()))} tensors, "
@@ -95,16 +129,19 @@ def main() -> None:
     run(3)  # warm up allocator and kernels
     for _ in range(args.rounds):
         for name, config in modes.items():
-            wall, cpu = timed(run, args.steps, config)
+            wall, cpu, in_hooks = timed(run, args.steps, config)
             walls[name].append(wall)
             cpus[name].append(cpu)
+            hooks[name].append(in_hooks)
     base_wall = statistics.median(walls["baseline (no stability)"])
     base_cpu = statistics.median(cpus["baseline (no stability)"])
+    print(f"load average {os.getloadavg()[0]:.1f}")
     for name in modes:
-        wall, cpu = statistics.median(walls[name]), statistics.median(cpus[name])
+        wall, cpu, in_hooks = (statistics.median(x[name]) for x in (walls, cpus, hooks))
         print(
             f"{name:33s} {1 / wall:6.2f} steps/s  wall {wall * 1e3:6.1f} ms/step x{wall / base_wall:.4f}"
             f"  | process CPU {cpu * 1e3:6.1f} ms/step x{cpu / base_cpu:.4f} ({(cpu / base_cpu - 1) * 100:+.2f} %)"
+            f"  | hooks {in_hooks * 1e3:5.2f} ms/step x{1 + in_hooks / base_cpu:.4f}"
         )
 
 
