@@ -176,8 +176,8 @@ class ConsoleReporter:
         still be catching up (the summary then says where the report will be). ``offline``: Redis is not answering
         (the exit spooled records): read nothing more, summarise what was read."""
         self._halt.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is not None:  # offline: it may be blocked on a hung Redis for its socket timeout
+            self._thread.join(min(timeout, 0.1) if offline else timeout)
         try:
             if offline:
                 self._client, client = None, self._client

@@ -157,7 +157,7 @@ class Session:
         """
         if not wait_drained:
             self.emitter.close(timeout=min(timeout, EXIT_FLUSH_S if flush_s is None else flush_s))
-            offline = self.emitter.abandoned  # Redis did not take the records in time: do not wait on it again
+            offline = not self.emitter.reachable  # Redis down or hung: the records are spooled, do not wait on it
             self._record_end(died, offline=offline)
             if self.reporter is not None:
                 self.reporter.stop(drained=False, timeout=1.0, offline=offline)
@@ -168,7 +168,7 @@ class Session:
             self.supervisor = None  # it outlives us on purpose (see stability.supervisor)
             return
         self.emitter.close(timeout=min(timeout, 30.0))
-        offline = self.emitter.abandoned
+        offline = not self.emitter.reachable
         self._record_end(died, offline=offline)
         drained = False
         if self.supervisor is not None and self.local_worker and not offline:
@@ -187,7 +187,7 @@ class Session:
         worker finish the run (findings and report of what was recorded) and then stops them.
         """
         self.emitter.close(timeout=timeout)
-        offline = self.emitter.abandoned
+        offline = not self.emitter.reachable
         self._record_end(reason, offline=offline)
         if self.reporter is not None:
             with contextlib.suppress(Exception):

@@ -283,6 +283,13 @@ class Emitter:
         with self._lock:
             return self._abandoned
 
+    @property
+    def reachable(self) -> bool:
+        """Whether Redis answered the emitter last (after :meth:`close`: False when the records went to the spool
+        because Redis was down or hung)."""
+        with self._lock:
+            return self._up and not self._abandoned
+
     def __enter__(self) -> Emitter:
         return self
 
@@ -305,7 +312,7 @@ class Emitter:
                 self._deliver(batch)
         if self.abandoned:  # close() took the rest over; Redis is not answering: leave it alone
             return
-        if not self._up:
+        if not self._up and time.monotonic() >= self._retry_at:  # not again right after a failure: exit promptly
             self._guarded(self._connect)
         self._guarded(self._mark_ended)
         self._guarded(self._keep_lost_count)
