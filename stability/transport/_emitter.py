@@ -183,6 +183,8 @@ class Emitter:
         self._closed = False
         self._stop = threading.Event()
         self._up = False
+        self._timed_out = False
+        """The last failure was a timeout (Redis hung or overloaded), not a refusal."""
         self._was_down = False
         self._registered = False
         self._retry_at = 0.0
@@ -312,8 +314,8 @@ class Emitter:
                 self._deliver(batch)
         if self.abandoned:  # close() took the rest over; Redis is not answering: leave it alone
             return
-        if not self._up and time.monotonic() >= self._retry_at:  # not again right after a failure: exit promptly
-            self._guarded(self._connect)
+        if not self._up and (not self._timed_out or time.monotonic() >= self._retry_at):
+            self._guarded(self._connect)  # at once, unless Redis just let a call time out (hung): exit promptly
         self._guarded(self._mark_ended)
         self._guarded(self._keep_lost_count)
         if self._client is not None:
@@ -523,6 +525,7 @@ class Emitter:
 
     def _went_down(self, exc: BaseException) -> None:
         self._up = False
+        self._timed_out = isinstance(exc, (redis.TimeoutError, TimeoutError))
         self._was_down = True
         kind = classify_error(exc)
         if kind != "down":  # retrying will not help: say what is wrong, once
