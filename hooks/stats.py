@@ -250,7 +250,7 @@ def activation_stats(x: torch.Tensor) -> ActStat:
     """
     x = x.detach()
     low, high = torch.aminmax(x)
-    if x.dtype == torch.float32 and x.is_contiguous() and x.device.type != "mps":
+    if x.dtype == torch.float32 and x.is_contiguous() and x.device.type != "mps" and x.numel() < 1 << 31:
         flat = x.view(-1)
         sum_sq = torch.dot(flat, flat)
     else:
