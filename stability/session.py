@@ -107,10 +107,6 @@ class Session:
     @classmethod
     def open(cls, config: WatchConfig) -> Session:
         """Start (or connect to) Redis and the local worker, and return a session with a running emitter."""
-        from stability import runstate
-        from stability.console import ConsoleReporter
-        from stability.transport import Emitter
-
         rank, local_rank, world = rank_from_env()
         run_dir = make_private_dir(config.resolved_run_dir.resolve())
         supervisor = None
@@ -119,9 +115,17 @@ class Session:
             if local_rank == 0:
                 supervisor = _start_watchdog(config, run_dir)
         elif local_rank == 0:
-            supervisor, url = _start_supervisor(config, run_dir)
-        else:
-            url = _wait_for_url(run_dir / "redis" / URL_FILE)
+            supervisor = _start_supervisor(config, run_dir)
+        # imported while the supervisor starts the embedded Redis (redis-py alone takes 0.1-0.3 s to import)
+        from stability import runstate
+        from stability.console import ConsoleReporter
+        from stability.transport import Emitter
+
+        if config.redis_url is None:
+            if supervisor is not None:
+                url = _supervisor_url(supervisor, run_dir)
+            else:
+                url = _wait_for_url(run_dir / "redis" / URL_FILE)
         local_worker = supervisor is not None and config.local_worker and config.redis_url is None
         meta = _run_meta(config, run_dir)
         if rank == 0:
@@ -417,8 +421,8 @@ def _run_meta(config: WatchConfig, run_dir: Path) -> dict[str, str]:
     return meta
 
 
-def _start_supervisor(config: WatchConfig, run_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``python -m stability.supervisor`` for this process and wait for the URL of its redis-server."""
+def _start_supervisor(config: WatchConfig, run_dir: Path) -> subprocess.Popen[bytes]:
+    """Start ``python -m stability.supervisor`` for this process (:func:`_supervisor_url` waits for its Redis)."""
     url_file = run_dir / "redis" / URL_FILE
     url_file.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
@@ -436,8 +440,14 @@ def _start_supervisor(config: WatchConfig, run_dir: Path) -> tuple[subprocess.Po
         raise EmbeddedServerError(f"cannot start the local supervisor: {exc}") from None
     finally:
         logfile.close()
+    return proc
+
+
+def _supervisor_url(proc: subprocess.Popen[bytes], run_dir: Path) -> str:
+    """The URL of the redis-server the supervisor ``proc`` started, once it answers (the supervisor is stopped if
+    it never comes)."""
     try:
-        return proc, _wait_for_url(url_file, process=proc, log_file=run_dir / "worker.log")
+        return _wait_for_url(run_dir / "redis" / URL_FILE, process=proc, log_file=run_dir / "worker.log")
     except BaseException:
         _stop_process(proc, 5.0, group=False)
         raise
