@@ -15,7 +15,8 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,7 @@ from stability.records import StepRecord
 if TYPE_CHECKING:
     from stability.config import WatchConfig
 
-__all__ = ["ListSink", "TinyGPT", "TinyGPTConfig", "capture_loop", "torchrun"]
+__all__ = ["ListSink", "TinyGPT", "TinyGPTConfig", "capture_loop", "saving_checkpoint", "torchrun"]
 
 
 class ListSink:
@@ -172,3 +173,44 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2, env: Mapping[str, s
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), str(script), *args]
     return subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=timeout)
+
+
+@contextmanager
+def saving_checkpoint(timeout: float = 30.0) -> Iterator[int]:
+    """A thread stuck inside ``torch.save`` (its file's ``write`` waits) for the ``with`` block; yields its ident.
+
+    It is inside ``torch/serialization.py`` when the block starts (what the watchdog's checkpoint-save test looks
+    for); it finishes the save when the block ends."""
+    import io
+    import time
+
+    release = threading.Event()
+
+    class _SlowFile(io.BytesIO):
+        def write(self, data: Any) -> int:
+            release.wait(timeout)
+            return super().write(data)
+
+    saver = threading.Thread(target=torch.save, args=({"w": torch.zeros(4)}, _SlowFile()), daemon=True)
+    saver.start()
+    ident = saver.ident
+    assert ident is not None
+    deadline = time.monotonic() + timeout
+    while not _inside(ident, "torch/serialization.py"):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the saver thread did not reach torch.save")
+        time.sleep(0.01)
+    try:
+        yield ident
+    finally:
+        release.set()
+        saver.join(timeout)
+
+
+def _inside(ident: int, filename: str) -> bool:
+    frame = sys._current_frames().get(ident)
+    while frame is not None:
+        if filename in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+    return False

@@ -15,6 +15,7 @@ import pytest
 from stability import keys, runstate
 from stability.errors import ConfigError
 from stability.records import StepRecord, encode
+from stability.testing import saving_checkpoint
 from stability.worker.quiet import QuietCheck, QuietConfig
 from stability.worker.sinks import RedisFindingsSink
 
@@ -99,9 +100,6 @@ def test_a_paused_job_whose_processes_live_is_no_hang_until_the_busy_limit(tmp_p
     """The training side's real heartbeat: while no step ends for 10 s the watchdog's poll writes ``keys.alive``
     saying what the training thread does (here inside ``torch.save``); the quiet check leaves the run alone up to
     ``busy_s``, then reports the hang with what the heartbeat said. No heartbeat written while steps end."""
-    import io
-    import threading
-
     import torch
 
     from stability.hooks.timing import PAUSE_S, Performance, TimingConfig
@@ -116,24 +114,9 @@ def test_a_paused_job_whose_processes_live_is_no_hang_until_the_busy_limit(tmp_p
         assert perf.timing.last_end is not None
         perf._poll(perf.timing.last_end + 1.0)
         assert redis_client.get(keys.alive(run_id)) is None  # steps end: nothing written
-        release = threading.Event()
-
-        class SlowFile(io.BytesIO):
-            def write(self, data):  # type: ignore[no-untyped-def, override]
-                release.wait(30)
-                return super().write(data)
-
-        saver = threading.Thread(target=torch.save, args=({"w": torch.zeros(4)}, SlowFile()))
-        saver.start()
-        perf.timing.thread = saver.ident  # the "training thread" is inside torch.save
-        deadline = time.monotonic() + 30
-        while not any("torch/serialization.py" in f.f_code.co_filename
-                      for f in _frames(saver.ident)):  # wait until the saver is really inside torch.save
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        perf._poll(perf.timing.last_end + PAUSE_S + 1)
-        release.set()
-        saver.join()
+        with saving_checkpoint() as saver:
+            perf.timing.thread = saver  # the "training thread" is inside torch.save
+            perf._poll(perf.timing.last_end + PAUSE_S + 1)
     finally:
         perf.close()
     beat = json.loads(redis_client.get(keys.alive(run_id)))
@@ -154,15 +137,6 @@ def test_a_paused_job_whose_processes_live_is_no_hang_until_the_busy_limit(tmp_p
     _write(redis_client, "stale", 0, range(5), now - 65, 1.0)
     runstate.mark(redis_client, "stale", runstate.RUNNING)
     assert check.sweep(redis_client, ["stale"], sinks, now=now) == 1
-
-
-def _frames(ident: int | None):  # type: ignore[no-untyped-def]
-    import sys
-
-    frame = sys._current_frames().get(ident) if ident is not None else None
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
 
 
 def test_quiet_check_settings() -> None:

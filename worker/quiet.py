@@ -95,21 +95,20 @@ class QuietConfig:
         """``STABILITY_QUIET_S`` (the floor, default 30; 0 turns the check off), ``STABILITY_QUIET_BUSY_S`` (silence
         tolerated while the processes' heartbeat is fresh, default 600); checks every min(5, floor / 4) s."""
         env = os.environ if env is None else env
-        raw = env.get("STABILITY_QUIET_S") or "30"
-        try:
-            floor = float(raw)
-        except ValueError:
-            raise ConfigError(f"STABILITY_QUIET_S must be a number of seconds, got {raw!r}") from None
-        if not (math.isfinite(floor) and floor >= 0):
-            raise ConfigError(f"STABILITY_QUIET_S must be >= 0, got {raw!r}")
-        raw_busy = env.get("STABILITY_QUIET_BUSY_S") or "600"
-        try:
-            busy = float(raw_busy)
-        except ValueError:
-            raise ConfigError(f"STABILITY_QUIET_BUSY_S must be a number of seconds, got {raw_busy!r}") from None
-        if not (math.isfinite(busy) and busy >= 0):
-            raise ConfigError(f"STABILITY_QUIET_BUSY_S must be >= 0, got {raw_busy!r}")
+        floor = _seconds(env, "STABILITY_QUIET_S", 30.0)
+        busy = _seconds(env, "STABILITY_QUIET_BUSY_S", 600.0)
         return cls(floor_s=floor, busy_s=busy, every_s=min(5.0, floor / 4))
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name) or str(default)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{name} must be >= 0, got {raw!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
