@@ -28,8 +28,11 @@ from stability.records import StepRecord
 
 if TYPE_CHECKING:
     from stability.config import WatchConfig
+    from stability.detectors.base import Finding
+    from stability.detectors.engine import DiagnoserConfig, RunDiagnoser
 
-__all__ = ["ListSink", "TinyGPT", "TinyGPTConfig", "capture_loop", "saving_checkpoint", "torchrun"]
+__all__ = ["ListSink", "TinyGPT", "TinyGPTConfig", "capture_loop", "diagnose", "diagnose_split", "saving_checkpoint",
+           "torchrun"]
 
 
 class ListSink:
@@ -214,3 +217,27 @@ def _inside(ident: int, filename: str) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def diagnose(records: list[StepRecord], config: DiagnoserConfig | None = None) -> tuple[list[Finding], RunDiagnoser]:
+    """Every finding of one :class:`~stability.detectors.engine.RunDiagnoser` fed ``records`` in order (with
+    ``finish()``), and the diagnoser."""
+    from stability.detectors.engine import RunDiagnoser
+
+    diag = RunDiagnoser(config)
+    found = [f for record in records for f in diag.update(record)]
+    return found + diag.finish(), diag
+
+
+def diagnose_split(records: list[StepRecord], split: int) -> list[Finding]:
+    """:func:`diagnose`'s findings when a worker stops after ``records[:split]`` and a fresh diagnoser resumes from
+    the first one's state sent through msgpack (as the worker's snapshots are)."""
+    import msgpack
+
+    from stability.detectors.engine import RunDiagnoser
+
+    first = RunDiagnoser()
+    found = [f for record in records[:split] for f in first.update(record)]
+    second = RunDiagnoser()
+    second.load_state_dict(msgpack.unpackb(msgpack.packb(first.state_dict(), use_bin_type=True), raw=False))
+    return found + [f for record in records[split:] for f in second.update(record)] + second.finish()
