@@ -191,9 +191,8 @@ def _named(files: Sequence[Path]) -> list[RankFile]:
     varying = {t for tokens in token_sets for t in tokens} - set.intersection(*(set(t) for t in token_sets))
     hosts = [next((t for t in tokens if t in varying and re.search(r"[A-Za-z]", t) and t.lower() not in _NAME_WORDS),
                   "") for tokens in token_sets]
-    if any(r is None for r in ranks) or len({(h, r) for h, r in zip(hosts, ranks, strict=True)}) < len(
-            {(h, r, p.suffix) for h, r, p in zip(hosts, ranks, files, strict=True)}) / 2:
-        ranks = [None] * len(files)  # no number on every file: ranks come from the lines (or the node order)
+    if any(r is None for r in ranks) or len(set(ranks)) < 2:
+        ranks = [None] * len(files)  # no varying number on every file: ranks come from the lines (or node order)
     if all(r is None for r in ranks) and not all(hosts):
         hosts = [p.name for p in files]
     return [RankFile(path=p, node=h if r is None else "", rank=r, host=h)
@@ -300,6 +299,11 @@ class _Reader:
                 stream.event_steps[i] = at
         if not rest.strip():
             return
+        if self.year is None:
+            self.year = system.line_year(rest)
+            if self.year is not None:  # glog and syslog dates carry no year: take the log's ISO dates'
+                for other in self.streams.values():
+                    other.parser.year = self.year
         wall, _ = system.parse_time(rest, self.year)
         if wall is not None:
             stream.last_wall = wall
@@ -335,7 +339,10 @@ class _Reader:
         if len(nodes) > 1 and guessed and not all(n.isdigit() for n in nodes):
             self.notes.append(f"global ranks of nodes {', '.join(guessed[:8])} assumed from their order by name "
                               f"x {world} local ranks (no line names a global rank there)")
-        first = {n: self.offsets.get(n, (int(n) if n.isdigit() else i) * world) for i, n in enumerate(nodes)}
+        taken = {offset // world for offset in self.offsets.values()}
+        free = (i for i in range(len(nodes) + len(taken)) if i not in taken)
+        first = {n: self.offsets[n] if n in self.offsets else (int(n) if n.isdigit() else next(free)) * world
+                 for n in nodes}
         out: dict[tuple[str, str, int], int] = {}
         for key, s in self.streams.items():
             if s.local is not None:

@@ -23,7 +23,7 @@ import calendar
 import re
 import time
 
-__all__ = ["ECC_XIDS", "classify", "parse_time"]
+__all__ = ["ECC_XIDS", "classify", "line_year", "parse_time"]
 
 ECC_XIDS = frozenset({48, 63, 64, 92, 94, 95})
 """Xid codes that report memory (ECC / row-remapping) errors."""
@@ -65,6 +65,12 @@ def parse_time(line: str, year: int | None = None) -> tuple[float | None, str]:
             y = year if year is not None else time.gmtime().tm_year
             return calendar.timegm((y, mo, d, h, mi, s)) + float(f"0.{match.group(6)}"), ""
     return None, ""
+
+
+def line_year(line: str) -> int | None:
+    """The year of a line's ISO date prefix (None without one): the year of the log's glog / syslog dates."""
+    match = _ISO.search(line, 0, 64)
+    return int(match.group(1)) if match else None
 
 
 def classify(line: str) -> tuple[str, float | None, int | None] | None:
