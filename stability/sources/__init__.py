@@ -131,7 +131,6 @@ def load_log(path: str | Path, *, run_id: str | None = None, fmt: str | None = N
         from stability.sources import ranks
 
         files = ranks.discover(path) if path.is_dir() else [ranks.RankFile(path=path)]
-        files = [f for f in files if _sniff_file(f.path) == "text"] if path.is_dir() else files
         loaded = ranks.load_ranked(files, run_id=rid)
     elif fmt == "text":
         parser = textlog.TextLogParser(run_id=rid, source=str(path))

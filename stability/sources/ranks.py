@@ -243,8 +243,8 @@ class _Reader:
         if found is None:
             parser = TextLogParser(run_id=self.run_id, source=source, host=host, year=self.year)
             found = self.streams[key] = _Stream(node, local, rank, host, parser)
-        if rank is not None and found.rank is None:
-            found.rank = rank
+        if rank is not None:
+            found.rank = found.rank if found.rank is not None else rank
             if local is not None:
                 self.offsets.setdefault(node, rank - local)
         if host and not found.host:
