@@ -259,3 +259,19 @@ def test_cli_several_per_rank_files_and_one_system_log_per_node(tmp_path: Path,
     assert code == 0 and "hardware_fault" in out
     data = json.loads((tmp_path / "out" / "rank0.findings.json").read_text())
     assert sorted(data["ranks"]) == [0, 1]
+
+
+def test_hosts_from_nccl_info_lines_and_the_torchrun_failure_summary(tmp_path: Path) -> None:
+    """srun starts one torchrun per node (``0: [default1]: ...``); node 1 names its host in NCCL INFO lines, and
+    torchrun's failure summary of node 0 names its host and a global rank (``rank : 1 (local_rank: 1)``)."""
+    lines = [f"{node}: [default{local}]:{nanogpt(step, node * 2 + local)}"
+             for step in range(10, 60, 10) for node in range(2) for local in range(2)]
+    lines += ["1: [default0]:gpu-b17:31337:31399 [0] NCCL INFO Bootstrap : Using ib0:10.0.0.17<0>",
+              "0: Root Cause (first observed failure):", "0: [0]:", "0:   time      : 2024-05-13_11:20:00",
+              "0:   host      : gpu-a03", "0:   rank      : 1 (local_rank: 1)", "0:   exitcode  : -6 (pid: 4242)"]
+    path = tmp_path / "srun.out"
+    path.write_text("\n".join(lines) + "\n")
+    log = load_source(path)
+    assert log.hosts == {0: "gpu-a03", 1: "gpu-a03", 2: "gpu-b17", 3: "gpu-b17"}
+    assert {r.rank: r.signals["loss"] for r in log.records if r.step == 10} == {0: 2.99, 1: 3.0, 2: 3.01, 3: 3.02}
+    assert not log.notes  # srun task ids are the node indices: nothing assumed from names

@@ -25,7 +25,8 @@ Rank assumptions (stated because only some logs say):
   highest local rank seen + 1 (the same on every node) and the node index = the srun task id when srun starts one
   torchrun per node (``0: [default3]: ...``), else the nodes' names in natural order (noted: torchrun's directory
   names are random, so that order is a guess unless a line names a global rank).
-* A line with no rank prefix belongs to the lowest rank of its node (what most frameworks print from rank 0).
+* A line with no rank prefix belongs to the first rank of its node (rank 0 on one node: what most frameworks
+  print from rank 0).
 
 Hosts come from the host prefix or file name, NCCL's ``host:pid:tid [dev] NCCL INFO`` lines and torchrun's failure
 summary (``host : node-b``). Every rank's last line is kept (its time, the step the run was at, the text): a rank
@@ -61,6 +62,9 @@ _SUMMARY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _WATCHDOG_WORK = re.compile(r"SeqNum=(\d+),\s*OpType=(\w+)")
 _OUTER_SHARE = 0.9
 """Share of a file's lines that must carry an ``srun --label`` / host prefix for it to be read as one."""
+_NOT_HOSTS = frozenset({"INFO", "WARNING", "WARN", "ERROR", "DEBUG", "CRITICAL", "FATAL", "NOTICE", "Warning",
+                        "Error", "Info"})
+"""Line starts that look like a pdsh host prefix but are log levels."""
 _LOG_SUFFIXES = frozenset({".log", ".out", ".err", ".txt", ""})
 _NAME_RANK = re.compile(r"(?:^|[._\-])(?:rank|task|proc)[._\-]?(\d+)(?:\D|$)", re.IGNORECASE)
 _NAME_TASK = re.compile(r"[._\-](\d+)$")
@@ -109,7 +113,8 @@ def _outer_mode(lines: Sequence[str]) -> str:
     if not body:
         return ""
     for mode, pattern in (("label", _LABEL), ("host", _HOST)):
-        if sum(1 for line in body if pattern.match(line)) >= _OUTER_SHARE * len(body):
+        found = [m.group(1) for m in map(pattern.match, body) if m]
+        if len(found) >= _OUTER_SHARE * len(body) and not (mode == "host" and set(found) <= _NOT_HOSTS):
             return mode
     return ""
 
@@ -280,7 +285,10 @@ class _Reader:
               rest: str, seen_attempt: set[int]) -> None:
         self._context_line(node, rest)
         nccl = _NCCL_HOST.match(rest)
-        host = host or (nccl.group(1) if nccl else "")
+        if nccl and not host:
+            host = nccl.group(1)
+            if node:  # every rank of the node runs there
+                self.node_hosts.setdefault(node, host)
         stream = self.stream(node, local, rank, host, str(spec.path))
         parser = stream.parser
         if spec.attempt and id(stream) not in seen_attempt:
@@ -350,9 +358,7 @@ class _Reader:
             elif s.rank is not None:
                 out[key] = s.rank
         for key, s in self.streams.items():
-            if key not in out:
-                mine = [r for k, r in out.items() if k[0] == s.node]
-                out[key] = min(mine) if mine else first.get(s.node, 0)
+            out.setdefault(key, first.get(s.node, 0))
         return out
 
 
