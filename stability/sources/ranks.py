@@ -302,11 +302,13 @@ class _Reader:
         if own is not None and (self.run_step is None or own > self.run_step):
             self.run_step = own
         at = self.run_step if self.ordered else own
-        for i in range(before, len(parser.events)):
-            if at is not None:
-                stream.event_steps[i] = at
-        if not rest.strip():
-            return
+        if at is not None:
+            stream.event_steps.update(dict.fromkeys(range(before, len(parser.events)), at))
+        if rest.strip():
+            self._activity(stream, f"{spec.path.name}:{number}", rest, at)
+
+    def _activity(self, stream: _Stream, where: str, rest: str, at: int | None) -> None:
+        """Keep ``stream``'s last line: its date, the step the run was at (``at``), the text."""
         if self.year is None:
             self.year = system.line_year(rest)
             if self.year is not None:  # glog and syslog dates carry no year: take the log's ISO dates'
@@ -320,7 +322,7 @@ class _Reader:
         if at is not None and at != stream.last_step:
             stream.steps += 1
         stream.last_step = at if at is not None else stream.last_step
-        stream.last_line, stream.last_source = rest.strip()[:200], f"{spec.path.name}:{number}"
+        stream.last_line, stream.last_source = rest.strip()[:200], where
 
     def _context_line(self, node: str, rest: str) -> None:
         """torchrun's failure summary: ``host : node-b`` then ``rank : 5 (local_rank: 1)``."""
