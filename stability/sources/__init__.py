@@ -164,12 +164,16 @@ def load_logs(paths: Sequence[str | Path], *, run_id: str | None = None) -> Load
     from stability.sources import ranks
 
     files = [Path(p) for p in paths]
+    formats = {}
     for file in files:
         if not file.is_file():
             raise SourceError(f"{file}: no such file")
-        if sniff(file) != "text":
-            raise SourceError(f"{file}: format not recognised as a training log; several sources must each be a "
-                              f"text log of one rank, node or task; expected {EXPECTED}")
+        formats[file] = sniff(file)
+        if formats[file] not in ("text", "unknown"):  # unknown: a rank that printed only warnings / a traceback
+            raise SourceError(f"{file}: a {formats[file]} source; several sources must each be the text log of one "
+                              f"rank, node or task")
+    if "text" not in formats.values():
+        raise SourceError(f"{', '.join(map(str, files))}: format not recognised; expected {EXPECTED}")
     named = ranks.discover_files(files)
     loaded = ranks.load_ranked(named, run_id=run_id or _run_id(files[0].parent if len(files) > 1 else files[0]))
     _drop_static_scale(loaded)

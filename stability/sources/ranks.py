@@ -246,7 +246,8 @@ class _Reader:
             key = (node, "U", 0)
         found = self.streams.get(key)
         if found is None:
-            parser = TextLogParser(run_id=self.run_id, source=source, host=host, year=self.year)
+            guess = rank if rank is not None else (local or 0) + self.offsets.get(node, 0)
+            parser = TextLogParser(run_id=self.run_id, source=source, host=host, rank=guess, year=self.year)
             found = self.streams[key] = _Stream(node, local, rank, host, parser)
         if rank is not None:
             found.rank = found.rank if found.rank is not None else rank
