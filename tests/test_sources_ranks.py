@@ -54,8 +54,8 @@ def megatron(step: int) -> str:
 
 
 def watchdog(rank: int, seq: int = 1623) -> str:
-    """PyTorch's NCCL watchdog line, as printed under its ``[rankN]:`` prefix."""
-    return (f"[rank{rank}]:[E0513 11:15:00.{rank:06d} 4242 torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:616] "
+    """PyTorch's (>= 2.4) NCCL watchdog line, as printed under its ``[rankN]:`` prefix."""
+    return (f"[rank{rank}]:[E513 11:15:00.{rank:09d} ProcessGroupNCCL.cpp:616] "
             f"[Rank {rank}] Watchdog caught collective operation timeout: WorkNCCL(SeqNum={seq}, OpType=ALLREDUCE, "
             f"NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600043 milliseconds before timing out.")
 
@@ -63,8 +63,10 @@ def watchdog(rank: int, seq: int = 1623) -> str:
 def test_prefixes_nest_and_say_local_or_global_ranks() -> None:
     assert split_prefixes("[default3]:[rank7]: Traceback (most recent call last):") == (
         None, 3, 7, "Traceback (most recent call last):")
-    assert split_prefixes("[rank2]:[E0513 11:15:00.000001 1 x.cpp:1] y") == (None, None, 2, "[E0513 11:15:00.000001 1 "
-                                                                                             "x.cpp:1] y")
+    assert split_prefixes("[rank2]:[E513 11:15:00.000000001 x.cpp:1] y") == (None, None, 2,
+                                                                             "[E513 11:15:00.000000001 x.cpp:1] y")
+    bar = " 24/1752 [01:08<1:22:56,  2.88s/it][rank5]:[E602 11:17:52.185053341 ProcessGroupNCCL.cpp:632] [Rank 5] x"
+    assert split_prefixes(bar)[2] == 5
     assert split_prefixes(" 3: [default1]: iter 5: loss 2.0", "label") == ("3", 1, None, "iter 5: loss 2.0")
     assert split_prefixes("node-b: [2024-05-13 11:00:00] x", "host") == ("node-b", None, None,
                                                                           "[2024-05-13 11:00:00] x")
@@ -224,7 +226,7 @@ def test_slurm_per_task_files_and_a_dmesg_of_node_b_match_ranks_4_to_7(tmp_path:
         if rank == 0:
             lines = [megatron(s) for s in range(10, last + 1, 10)]
         if rank != 5:
-            lines.append(watchdog(rank).replace("E0513 11:15", "E0513 11:12"))
+            lines.append(watchdog(rank).replace("E513 11:15", "E513 11:12"))
         (logs / f"log.{host}.{rank}").write_text("\n".join(lines) + "\n")
     dmesg = tmp_path / "node-b.dmesg"
     dmesg.write_text("[1234567.100000] NVRM: Xid (PCI:0000:3b:00): 79, pid=28911, name=python, GPU has fallen off "
@@ -275,3 +277,11 @@ def test_hosts_from_nccl_info_lines_and_the_torchrun_failure_summary(tmp_path: P
     assert log.hosts == {0: "gpu-a03", 1: "gpu-a03", 2: "gpu-b17", 3: "gpu-b17"}
     assert {r.rank: r.signals["loss"] for r in log.records if r.step == 10} == {0: 2.99, 1: 3.0, 2: 3.01, 3: 3.02}
     assert not log.notes  # srun task ids are the node indices: nothing assumed from names
+
+
+def test_glog_dates_of_pytorch_cpp_lines_take_the_year_of_the_log() -> None:
+    from stability.sources.system import parse_time
+
+    new, _ = parse_time("[E321 02:07:08.408271257 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught", 2024)
+    old, _ = parse_time("E1204 14:40:32.295000 12040 torch/distributed/elastic/multiprocessing/api.py:1002] x", 2024)
+    assert new == pytest.approx(1710986828.408271257) and old == pytest.approx(1733323232.295)

@@ -54,6 +54,7 @@ __all__ = ["RankFile", "attribute_hosts", "discover", "discover_files", "head", 
            "prefixed", "span", "split_prefixes", "stopped_ranks", "stripped_lines"]
 
 _TORCH = re.compile(r"^\[([A-Za-z_][A-Za-z_\-]*)?(\d+)\]:[ ]?")
+_MID_RANK = re.compile(r"\[rank\d+\]:\[")
 _LABEL = re.compile(r"^\s*(\d+): ")
 _HOST = re.compile(r"^([A-Za-z][\w.\-]*): ")
 _NCCL_HOST = re.compile(r"^\s*([A-Za-z][\w.\-]*):\d+:\d+ \[\d+\] NCCL (?:INFO|WARN)")
@@ -95,6 +96,10 @@ def split_prefixes(line: str, outer: str = "") -> tuple[str | None, int | None, 
         if match:
             value, line = match.group(1), line[match.end():]
     local = rank = None
+    if not line.startswith("[") and "]:[" in line:  # a C++ log line right after a progress bar (no newline)
+        inner = _MID_RANK.search(line)
+        if inner:
+            line = line[inner.start():]
     while line.startswith("["):
         match = _TORCH.match(line)
         if not match:

@@ -13,7 +13,7 @@ Recognised (anywhere: in a kernel log next to the training log or inside the tra
   -> ``nccl_error``.
 
 Dates: ISO (``2023-06-07 22:16:00,018``, ``2024-01-02T03:04:05``) and syslog (``Dec 03 10:00:00 host kernel:``,
-year taken from ``year``) and PyTorch's C++ glog (``[rank3]:[E1204 14:40:32.295000 12040 ProcessGroupNCCL.cpp:632]``,
+year taken from ``year``) and PyTorch's C++ glog (``[rank3]:[E321 02:07:08.408271257 ProcessGroupNCCL.cpp:607]``,
 same) prefixes give ``wall_time``; dmesg's seconds-since-boot do not.
 """
 
@@ -41,8 +41,9 @@ _RANK = re.compile(r"\[(?:Rank|rank)\s*(\d+)\]|\brank\s*[:=]?\s*(\d+)\b")
 
 _ISO = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:[.,](\d+))?")
 _SYSLOG = re.compile(r"^(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)\s+(\d{1,2})\s+(\d\d):(\d\d):(\d\d)\s+(\S+)")
-_GLOG = re.compile(r"\b[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+)\s+\d+\s")
-"""glog / c10 prefix of PyTorch's C++ log lines (``E1204 14:40:32.295000 12040 file.cpp:632]``): no year."""
+_GLOG = re.compile(r"(?:^|[\[\s])[IWEF](\d{1,2})(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+)\s")
+"""glog / c10 prefix of PyTorch's C++ log lines (``[E1204 14:40:32.295000 12040 file.cpp:632]``; recent versions
+``[E321 02:07:08.408271257 ProcessGroupNCCL.cpp:607]``: month not zero-padded, no thread id): no year."""
 _MONTHS = {m: i for i, m in enumerate(calendar.month_abbr) if m}
 
 
