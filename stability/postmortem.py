@@ -693,10 +693,7 @@ def run(source: str | Path | Sequence[str | Path], json_out: str | Path | None =
         raise SourceError(f"{source}: no records")
     meta = load_run_meta(source) if _is_run_dir(source) else {"source": ", ".join(map(str, several))}
     if log is not None:
-        meta["format"] = log.format
-        meta.update({f"context.{k}": v for k, v in list(log.context.items())[:40]})
-        if log.notes:
-            meta["notes"] = "; ".join(log.notes)
+        meta.update(_log_meta(log))
     if damaged:
         meta["damaged_files"] = json.dumps(damaged)
     rid = run_id or (records[0].run_id if records else _run_id_from(source))
@@ -714,6 +711,18 @@ def run(source: str | Path | Sequence[str | Path], json_out: str | Path | None =
         result = replace(result, baseline=compare_runs(records, base_records, name=str(other)))
     write_outputs(result, records, json_out=json_out, html_out=html_out)
     return result
+
+
+def _log_meta(log: LoadedLog) -> dict[str, str]:
+    """What a log source adds to the report's metadata: format, start-up context, reading notes, rank hosts."""
+    meta = {"format": log.format, **{f"context.{k}": v for k, v in list(log.context.items())[:40]}}
+    if log.notes:
+        meta["notes"] = "; ".join(log.notes)
+    if log.hosts:
+        from stability.sources.ranks import describe_hosts
+
+        meta["hosts"] = describe_hosts(log.hosts)
+    return meta
 
 
 def _add_system_logs(log: LoadedLog, system_logs: Sequence[str | Path]) -> LoadedLog:

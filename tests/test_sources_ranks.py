@@ -285,3 +285,22 @@ def test_glog_dates_of_pytorch_cpp_lines_take_the_year_of_the_log() -> None:
     new, _ = parse_time("[E321 02:07:08.408271257 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught", 2024)
     old, _ = parse_time("E1204 14:40:32.295000 12040 torch/distributed/elastic/multiprocessing/api.py:1002] x", 2024)
     assert new == pytest.approx(1710986828.408271257) and old == pytest.approx(1733323232.295)
+
+
+def test_deepspeed_launcher_over_pdsh_maps_ranks_to_hosts_for_the_kernel_log(tmp_path: Path) -> None:
+    """DeepSpeed's multi-node launcher runs over pdsh (``host: `` prefixes) and logs its global rank mapping; rank
+    0 on node-a prints the steps. An Xid in node-b's journal (the host in the syslog line) names ranks 2-3."""
+    mapping = ("[2024-05-13 10:59:58,000] [INFO] [launch.py:163:main] global_rank_mapping=defaultdict(<class "
+               "'list'>, {'node-a': [0, 1], 'node-b': [2, 3]})")
+    lines = [f"{host}: {mapping}" for host in ("node-a", "node-b")]
+    lines += [f"node-a: {megatron(step)}" for step in range(10, 210, 10)]
+    path = tmp_path / "ds.log"
+    path.write_text("\n".join(lines) + "\n")
+    journal = tmp_path / "journal.txt"
+    journal.write_text("May 13 11:01:05 node-b kernel: NVRM: Xid (PCI:0000:bd:00): 79, pid=5151, name=python, GPU "
+                       "has fallen off the bus.\n")
+    result = analyse(path, tmp_path, system_logs=[journal])
+    assert result.meta["hosts"] == "node-a: ranks 0-1; node-b: ranks 2-3"
+    hardware = [e for e in serious(result) if e["kind"] == "hardware_error"]
+    assert [(e["rank"], e["host"], e["onset"]) for e in hardware] == [(2, "node-b", 60)]
+    assert "(ranks 2-3)" in str(hardware[0]["message"])

@@ -28,10 +28,11 @@ Rank assumptions (stated because only some logs say):
 * A line with no rank prefix belongs to the first rank of its node (rank 0 on one node: what most frameworks
   print from rank 0).
 
-Hosts come from the host prefix or file name, NCCL's ``host:pid:tid [dev] NCCL INFO`` lines and torchrun's failure
-summary (``host : node-b``). Every rank's last line is kept (its time, the step the run was at, the text): a rank
-whose log stops while the other ranks report NCCL watchdog timeouts, or while they log further steps, is a
-``rank_stopped`` event (:func:`stopped_ranks`), read by :mod:`stability.sources.analysis` as the ``hang`` finding.
+Hosts come from the host prefix or file name, NCCL's ``host:pid:tid [dev] NCCL INFO`` lines, torchrun's failure
+summary (``host : node-b``) and the DeepSpeed launcher's ``global_rank_mapping=...{'node-a': [0, 1], ...}``. Every
+rank's last line is kept (its time, the step the run was at, the text): a rank whose log stops while the other ranks
+report NCCL watchdog timeouts, or while they log further steps, is a ``rank_stopped`` event (:func:`stopped_ranks`),
+read by :mod:`stability.sources.analysis` as the ``hang`` finding.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ from stability.sources import system
 from stability.sources._model import LoadedLog, LogEvent, Segment
 from stability.sources.textlog import TextLogParser
 
-__all__ = ["RankFile", "attribute_hosts", "discover", "discover_files", "head", "host_from_name", "load_ranked",
-           "prefixed", "span", "split_prefixes", "stopped_ranks", "stripped_lines"]
+__all__ = ["RankFile", "attribute_hosts", "describe_hosts", "discover", "discover_files", "head", "host_from_name",
+           "load_ranked", "prefixed", "span", "split_prefixes", "stopped_ranks", "stripped_lines"]
 
 _TORCH = re.compile(r"^\[([A-Za-z_][A-Za-z_\-]*)?(\d+)\]:[ ]?")
+_DS_MAPPING = re.compile(r"'([^']+)':\s*\[([\d,\s]*)\]")
 _MID_RANK = re.compile(r"\[rank\d+\]:\[")
 _LABEL = re.compile(r"^\s*(\d+): ")
 _HOST = re.compile(r"^([A-Za-z][\w.\-]*): ")
@@ -238,6 +240,7 @@ class _Reader:
     streams: dict[tuple[str, str, int], _Stream] = field(default_factory=dict)
     offsets: dict[str, int] = field(default_factory=dict)
     node_hosts: dict[str, str] = field(default_factory=dict)
+    rank_hosts: dict[int, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     run_step: int | None = None
     _summary_host: dict[str, str] = field(default_factory=dict)
@@ -331,7 +334,14 @@ class _Reader:
         stream.last_line, stream.last_source = rest.strip()[:200], where
 
     def _context_line(self, node: str, rest: str) -> None:
-        """torchrun's failure summary: ``host : node-b`` then ``rank : 5 (local_rank: 1)``."""
+        """torchrun's failure summary (``host : node-b`` then ``rank : 5 (local_rank: 1)``) and the DeepSpeed
+        launcher's ``global_rank_mapping=defaultdict(<class 'list'>, {'node-a': [0, 1], 'node-b': [2, 3]})``."""
+        if "global_rank_mapping=" in rest:
+            for host, ranks in _DS_MAPPING.findall(rest.split("global_rank_mapping=", 1)[1]):
+                for rank in ranks.split(","):
+                    if rank.strip().isdigit():
+                        self.rank_hosts.setdefault(int(rank), host)
+            return
         if ":" not in rest or len(rest) > 120:
             return
         match = _SUMMARY_HOST.match(rest)
@@ -389,6 +399,9 @@ def load_ranked(files: Sequence[RankFile | Path], *, run_id: str, year: int | No
                                                               and "_" not in s.node else "")
         if host:
             hosts.setdefault(ranks[key], host)
+    for rank, host in reader.rank_hosts.items():
+        hosts.setdefault(rank, host)
+    hosts = dict(sorted(hosts.items()))
     records, segments = _merge(reader, ranks, hosts)
     events: list[LogEvent] = []
     formats: dict[str, int] = {}
@@ -533,6 +546,14 @@ def stopped_ranks(reader: _Reader, ranks: dict[tuple[str, str, int], int], hosts
 
 
 # -- system logs ------------------------------------------------------------------------------------------------------
+
+def describe_hosts(hosts: dict[int, str]) -> str:
+    """``node-a: ranks 0-3; node-b: ranks 4-7`` (the report's metadata)."""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in hosts.items():
+        by_host.setdefault(host, []).append(rank)
+    return "; ".join(f"{host}: rank{'s' if len(r) > 1 else ''} {span(r)}" for host, r in by_host.items())
+
 
 def _short(host: str) -> str:
     return host.split(".", 1)[0].lower()
