@@ -43,7 +43,6 @@ import logging
 import math
 import re
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -688,7 +687,9 @@ def run(source: str | Path | Sequence[str | Path], json_out: str | Path | None =
         log = load_source(source, run_id=run_id, loss_averaged=loss_averaged)
         records = log.records
     if system_logs:
-        log = _add_system_logs(log or LoadedLog(format="run directory", records=records, segments=[]), system_logs)
+        from stability.sources.ranks import add_system_logs
+
+        log = add_system_logs(log or LoadedLog(format="run directory", records=records, segments=[]), system_logs)
     if not records and not (log and log.events):
         raise SourceError(f"{source}: no records")
     meta = load_run_meta(source) if _is_run_dir(source) else {"source": ", ".join(map(str, several))}
@@ -723,20 +724,6 @@ def _log_meta(log: LoadedLog) -> dict[str, str]:
 
         meta["hosts"] = describe_hosts(log.hosts)
     return meta
-
-
-def _add_system_logs(log: LoadedLog, system_logs: Sequence[str | Path]) -> LoadedLog:
-    """``log`` with the events of the kernel logs / nvidia-smi dumps, matched to the ranks of their hosts."""
-    from stability.sources import load_system_log
-    from stability.sources.ranks import attribute_hosts
-
-    dated = [r.wall_time for r in log.records if r.wall_time > 0]
-    year = time.gmtime(max(dated)).tm_year if dated else None  # syslog dates carry no year
-    hosts = {**{r.rank: r.host for r in log.records if r.host}, **log.hosts}
-    for path in system_logs:
-        events = load_system_log(path, year=year, hosts=set(hosts.values()))
-        log.events.extend(attribute_hosts(events, hosts))
-    return log
 
 
 def _is_run_dir(path: Path) -> bool:

@@ -106,6 +106,20 @@ def test_combined_rank_prefixed_log_where_rank_2_stops_is_a_hang_naming_rank_2(t
     assert [e["rank"] for e in data["log_events"] if e["kind"] == "rank_stopped"] == [2]
 
 
+def test_watchdogs_of_one_node_waiting_for_ranks_not_in_the_log_say_so(tmp_path: Path) -> None:
+    """The console of node 0 (ranks 0-3 of 8): all four time out; the rank they wait for is on the other node."""
+    lines = ["[default0]:using world size: 8, data-parallel size: 8, tensor-model-parallel size: 1, "
+             "pipeline-model-parallel size: 1"]
+    lines += [f"[default3]:{megatron(step)}" for step in range(10, 110, 10)]
+    lines += [watchdog(r) for r in range(4)]
+    path = tmp_path / "node0.log"
+    path.write_text("\n".join(lines) + "\n")
+    stopped = [e for e in load_source(path).events if e.kind == "rank_stopped"]
+    assert len(stopped) == 1 and "rank(s) 4-7 are not in these logs" in stopped[0].message
+    hangs = [e for e in serious(analyse(path, tmp_path)) if e["kind"] == "hang"]
+    assert [(e["severity"], e["onset"]) for e in hangs] == [("error", 100)]
+
+
 def test_torchrun_tee_prefixes_are_local_ranks_and_a_rank_whose_lines_stop_is_a_hang(tmp_path: Path) -> None:
     """torchrun --tee 3 console: ``[default3]:``; here the others log on (no collective waits for rank 1)."""
     lines = []
@@ -130,6 +144,11 @@ def test_a_rank_that_prints_only_at_start_up_is_quiet_not_hung(tmp_path: Path) -
     assert {r.rank for r in log.records} == {3}  # print_rank_last: the last rank prints the losses
     assert not [e for e in log.events if e.kind == "rank_stopped"]
     assert not [e for e in serious(analyse(path, tmp_path)) if e["kind"] == "hang"]
+    # a rank that prints now and then (every 100 iterations) and not in the last 100 is not hung either
+    lines += [f"[default1]: [W reducer.cpp:1389] Warning: at iteration {step}" for step in range(100, 300, 100)]
+    lines += [f"[default3]:{megatron(step)}" for step in range(310, 400, 10)]
+    path.write_text("\n".join(lines) + "\n")
+    assert not [e for e in load_source(path).events if e.kind == "rank_stopped"]
 
 
 def test_srun_label_lines_are_global_ranks_and_the_cross_rank_check_names_the_faulty_one(tmp_path: Path) -> None:
@@ -233,6 +252,7 @@ def test_slurm_per_task_files_and_a_dmesg_of_node_b_match_ranks_4_to_7(tmp_path:
                      "the bus.\n[1234567.100100] NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.\n")
     log = load_source(logs)
     assert log.hosts == {r: "node-a" if r < 4 else "node-b" for r in range(8)}
+    assert not [e for e in log.events if e.kind == "xid"]
     stopped = [e for e in log.events if e.kind == "rank_stopped"]
     assert [(e.rank, e.host, e.step) for e in stopped] == [(5, "node-b", 120)]
     events = attribute_hosts(load_system_log(dmesg, hosts={"node-a", "node-b"}), log.hosts)
@@ -244,6 +264,10 @@ def test_slurm_per_task_files_and_a_dmesg_of_node_b_match_ranks_4_to_7(tmp_path:
         "hang", "hardware_fault"]
     hardware = found["hardware_error"]
     assert hardware["host"] == "node-b" and hardware["rank"] == 4 and "(ranks 4-7)" in str(hardware["message"])
+    (logs / dmesg.name).write_bytes(dmesg.read_bytes())  # a kernel log among the rank logs is read as one
+    beside = load_source(logs)
+    assert [(e.kind, e.ranks) for e in beside.events if e.kind == "xid"] == [("xid", (4, 5, 6, 7))]
+    assert "node-b.dmesg: read as a system log (kernel / nvidia-smi)" in beside.notes
 
 
 def test_cli_several_per_rank_files_and_one_system_log_per_node(tmp_path: Path,

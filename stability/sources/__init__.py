@@ -132,6 +132,9 @@ def load_log(path: str | Path, *, run_id: str | None = None, fmt: str | None = N
 
         files = ranks.discover(path) if path.is_dir() else [ranks.RankFile(path=path)]
         loaded = ranks.load_ranked(files, run_id=rid)
+        beside = ranks.system_files(path) if path.is_dir() else []
+        ranks.add_system_logs(loaded, beside)
+        loaded.notes += [f"{p.name}: read as a system log (kernel / nvidia-smi)" for p in beside]
     elif fmt == "text":
         parser = textlog.TextLogParser(run_id=rid, source=str(path))
         parser.read(path)

@@ -41,6 +41,7 @@ import bisect
 import itertools
 import re
 import statistics
+import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,11 +52,14 @@ from stability.sources import system
 from stability.sources._model import LoadedLog, LogEvent, Segment
 from stability.sources.textlog import TextLogParser
 
-__all__ = ["RankFile", "attribute_hosts", "describe_hosts", "discover", "discover_files", "head", "host_from_name",
-           "load_ranked", "prefixed", "span", "split_prefixes", "stopped_ranks", "stripped_lines"]
+__all__ = ["RankFile", "add_system_logs", "attribute_hosts", "describe_hosts", "discover", "discover_files", "head",
+           "host_from_name", "load_ranked", "prefixed", "span", "split_prefixes", "stopped_ranks", "stripped_lines",
+           "system_files"]
 
 _TORCH = re.compile(r"^\[([A-Za-z_][A-Za-z_\-]*)?(\d+)\]:[ ]?")
 _DS_MAPPING = re.compile(r"'([^']+)':\s*\[([\d,\s]*)\]")
+_SYSLOG_LINE = re.compile(r"^(?:[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d|\d{4}-\d\d-\d\dT[\d:.]+[+\-Z][\d:]*) \S+ \S+")
+_DMESG_LINE = re.compile(r"^\[\s*\d+\.\d+\] ")
 _MID_RANK = re.compile(r"\[rank\d+\]:\[")
 _LABEL = re.compile(r"^\s*(\d+): ")
 _HOST = re.compile(r"^([A-Za-z][\w.\-]*): ")
@@ -156,7 +160,23 @@ def discover(directory: Path) -> list[RankFile]:
     if any(_torchrun_file(p) for p in torchrun):
         return discover_files([p for p in torchrun if _torchrun_file(p)])
     files = [p for p in directory.iterdir() if p.is_file() and _is_log_name(p)]
-    return discover_files(files)
+    return discover_files([p for p in files if not _kernel_log(p)])
+
+
+def system_files(directory: Path) -> list[Path]:
+    """Kernel logs (every line a syslog / dmesg line) and ``nvidia-smi -q`` dumps lying among the per-rank logs of
+    ``directory``: read as ``--system-log`` files."""
+    return sorted(p for p in directory.iterdir() if p.is_file() and (_is_log_name(p) or p.suffix == ".dmesg")
+                  and _kernel_log(p))
+
+
+def _kernel_log(path: Path) -> bool:
+    from stability.sources.nvsmi import is_nvsmi
+
+    lines = [line for line in head(path, 200) if line.strip()]
+    if not lines:
+        return False
+    return is_nvsmi(lines[:20]) or all(_SYSLOG_LINE.match(line) or _DMESG_LINE.match(line) for line in lines)
 
 
 def discover_files(files: Sequence[Path]) -> list[RankFile]:
@@ -225,6 +245,8 @@ class _Stream:
     dated: int = 0
     last_step: int | None = None
     steps: int = 0
+    gap: int = 0
+    """Largest step gap seen so far between two of its lines (how sparsely this rank prints)."""
     """Distinct steps the run was at when this stream printed (a rank that printed only at start-up has 1)."""
     last_line: str = ""
     last_source: str = ""
@@ -330,6 +352,8 @@ class _Reader:
             stream.dated += 1
         if at is not None and at != stream.last_step:
             stream.steps += 1
+            if stream.last_step is not None:
+                stream.gap = max(stream.gap, at - stream.last_step)
         stream.last_step = at if at is not None else stream.last_step
         stream.last_line, stream.last_source = rest.strip()[:200], where
 
@@ -482,7 +506,8 @@ def stopped_ranks(reader: _Reader, ranks: dict[tuple[str, str, int], int], hosts
     * NCCL watchdog timeouts from some ranks: the ranks of the world (``world_size`` of the start-up arguments, else
       the highest rank seen + 1) that reported none, when they are at most half of it, are the ones waited for.
     * Otherwise: a rank that printed at >= 3 different steps and whose last line is more than two logging
-      intervals behind the newest step any rank printed at.
+      intervals (or two of its own widest gaps between lines, for a rank that prints now and then) behind the newest
+      step any rank printed at.
     """
     timeline = sorted((r.wall_time, r.step) for r in records if r.wall_time > 0)
     times = [t for t, _ in timeline]
@@ -514,6 +539,12 @@ def stopped_ranks(reader: _Reader, ranks: dict[tuple[str, str, int], int], hosts
         timeout = waiting[0]
         work = _WATCHDOG_WORK.search(timeout.message)
         what = f" in {work.group(2)} SeqNum={work.group(1)}" if work else ""
+        if not any(r in last for r in suspects):  # none of them is in these logs (e.g. another node's console)
+            text = (f"rank(s) {span(suspects)} are not in these logs; rank(s) {span(waiters)} timed out waiting"
+                    f"{what} (NCCL watchdog): the rank that stopped is among them")
+            return [LogEvent(kind="rank_stopped", message=text, source=timeout.source, step=timeout.step,
+                             wall_time=timeout.wall_time, rank=suspects[0], host=hosts.get(suspects[0], ""),
+                             value=1.0)]
         for rank in suspects[:8]:
             quiet = last.get(rank)
             host = hosts.get(rank, "")
@@ -533,7 +564,7 @@ def stopped_ranks(reader: _Reader, ranks: dict[tuple[str, str, int], int], hosts
     if newest is None:
         return []
     for rank, s in sorted(last.items()):
-        if s.last_step is None or s.steps < 3 or newest - s.last_step <= 2 * interval:
+        if s.last_step is None or s.steps < 3 or newest - s.last_step <= 2 * max(interval, s.gap):
             continue
         host = hosts.get(rank, "")
         where = f"rank {rank}" + (f" on {host}" if host else "")
@@ -570,6 +601,20 @@ def host_from_name(path: Path, known: Collection[str] = ()) -> str:
              "nvidia", "smi", "q"}
     tokens = [t for t in re.split(r"[._]", path.name) if t and t.lower() not in words]
     return tokens[0] if len(tokens) == 1 and re.search(r"[A-Za-z]", tokens[0]) else ""
+
+
+def add_system_logs(log: LoadedLog, paths: Iterable[str | Path]) -> LoadedLog:
+    """``log`` with the events of kernel logs / ``nvidia-smi -q`` dumps (one per node or all in one), matched to
+    the ranks of their host (``log.hosts``, and the hosts of its records); syslog dates get the year of the
+    records."""
+    from stability.sources import load_system_log
+
+    dated = [r.wall_time for r in log.records if r.wall_time > 0]
+    year = time.gmtime(max(dated)).tm_year if dated else None
+    hosts = {**{r.rank: r.host for r in log.records if r.host}, **log.hosts}
+    for path in paths:
+        log.events.extend(attribute_hosts(load_system_log(path, year=year, hosts=set(hosts.values())), hosts))
+    return log
 
 
 def attribute_hosts(events: Iterable[LogEvent], hosts: dict[int, str], default_host: str = "") -> list[LogEvent]:
