@@ -755,7 +755,7 @@ def load_source(path: str | Path | Sequence[str | Path], *, run_id: str | None =
     if fmt == "unknown":
         if path.is_dir():
             raise SourceError(f"{path}: not a run directory (no archive/, spool/ or run.json) and no TensorBoard, "
-                              f"W&B or HF Trainer files; expected {EXPECTED}")
+                              f"W&B, HF Trainer files or per-rank training logs; expected {EXPECTED}")
         raise SourceError(f"{path}: format not recognised; expected {EXPECTED}")
     return _averaged(load_log(path, run_id=run_id, fmt=fmt), loss_averaged)
 

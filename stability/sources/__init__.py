@@ -5,6 +5,9 @@ grouped into :class:`Segment` s, plus :class:`LogEvent` s and the run's start-up
 
 * text logs (:mod:`~stability.sources.textlog`): Megatron-LM / Megatron-DeepSpeed, DeepSpeed, HF Trainer prints,
   fairseq, nanoGPT / llm.c, and system lines (dmesg / journal / NCCL watchdog) inside or beside them;
+* multi-rank logs (:mod:`~stability.sources.ranks`): a directory of per-rank files (torchrun ``--log-dir``, SLURM
+  per-task files), several files (:func:`load_logs`), or one file whose lines carry torchrun / srun / pdsh rank or
+  host prefixes: one run, every record with its rank and host, ``rank_stopped`` events for ranks whose log stops;
 * structured (:mod:`~stability.sources.structured`): JSON lines, HF ``trainer_state.json``, TensorBoard event
   directories, W&B offline run directories (:mod:`~stability.sources.wandb_offline`).
 
