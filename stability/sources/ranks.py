@@ -67,6 +67,7 @@ _NCCL_HOST = re.compile(r"^\s*([A-Za-z][\w.\-]*):\d+:\d+ \[\d+\] NCCL (?:INFO|WA
 _SUMMARY_HOST = re.compile(r"^\s*host\s*:\s*(\S+)\s*$")
 _SUMMARY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _WATCHDOG_WORK = re.compile(r"SeqNum=(\d+),\s*OpType=(\w+)")
+_SCALER_KINDS = frozenset({"overflow", "scale_minimum"})
 _OUTER_SHARE = 0.9
 """Share of a file's lines that must carry an ``srun --label`` / host prefix for it to be read as one."""
 _NOT_HOSTS = frozenset({"INFO", "WARNING", "WARN", "ERROR", "DEBUG", "CRITICAL", "FATAL", "NOTICE", "Warning",
@@ -430,6 +431,10 @@ def load_ranked(files: Sequence[RankFile | Path], *, run_id: str, year: int | No
     events: list[LogEvent] = []
     formats: dict[str, int] = {}
     context: dict[str, str] = {}
+    recording = {r.rank for r in records}
+    # every data-parallel rank prints DeepSpeed's "OVERFLOW! Rank N" and the minimum-scale message: one rank's (the
+    # lowest that logs steps) are the run's
+    scaler = min(recording or set(ranks.values()), default=0)
     for key, s in sorted(reader.streams.items(), key=lambda kv: ranks[kv[0]]):
         for fmt, count in s.parser.formats.items():
             formats[fmt] = formats.get(fmt, 0) + count
@@ -437,6 +442,8 @@ def load_ranked(files: Sequence[RankFile | Path], *, run_id: str, year: int | No
             context.setdefault(k, v)
         rank = ranks[key]
         for i, e in enumerate(s.parser.events):
+            if e.kind in _SCALER_KINDS and rank != scaler:
+                continue
             step = e.step if e.step is not None else s.event_steps.get(i)
             events.append(replace(e, rank=e.rank if e.rank is not None else rank, host=e.host or hosts.get(rank, ""),
                                   step=step))
