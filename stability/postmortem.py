@@ -43,7 +43,6 @@ import logging
 import math
 import re
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -651,12 +650,15 @@ def run_redis(url: str, run_id: str | None = None, *, out_dir: str | Path | None
     return result, json_path, html_path
 
 
-def run(source: str | Path, json_out: str | Path | None = None, html_out: str | Path | None = None, *,
+def run(source: str | Path | Sequence[str | Path], json_out: str | Path | None = None,
+        html_out: str | Path | None = None, *,
         run_id: str | None = None, loss_averaged: bool | None = None,
         system_logs: Sequence[str | Path] = (), progress: bool | None = None,
         baseline: str | Path | None = None) -> PostmortemResult:
     """Load ``source`` (run directory, Redis URL, CSV file or any log of :func:`load_source`), analyse it and write
     the requested reports.
+
+    Several paths: the per-rank / per-node logs of one run (:func:`load_source`).
 
     ``run_id`` overrides the run id (default: the records' own, or the file name); for a Redis URL it names the
     run to load (see :func:`run_redis`); ``loss_averaged`` is passed to :func:`load_csv`; ``system_logs``: kernel
@@ -670,32 +672,29 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
 
     if isinstance(source, str) and is_redis_url(source):
         return run_redis(source, run_id, json_out=json_out, html_out=html_out)[0]
-    source = Path(source)
+    several = [Path(source)] if isinstance(source, (str, Path)) else [Path(p) for p in source]
+    source = several[0]
     damaged: list[str] = []
     log: LoadedLog | None = None
     if not source.exists():
         raise SourceError(f"{source}: no such file or directory")
-    if _is_run_dir(source):
+    if len(several) > 1:
+        log = load_source(several, run_id=run_id, loss_averaged=loss_averaged)
+        records = log.records
+    elif _is_run_dir(source):
         records = load_run_dir(source, damaged=damaged)
     else:
         log = load_source(source, run_id=run_id, loss_averaged=loss_averaged)
         records = log.records
     if system_logs:
-        from stability.sources import load_system_log
+        from stability.sources.ranks import add_system_logs
 
-        log = log or LoadedLog(format="run directory", records=records, segments=[])
-        dated = [r.wall_time for r in records if r.wall_time > 0]
-        year = time.gmtime(max(dated)).tm_year if dated else None  # syslog dates carry no year
-        for path in system_logs:
-            log.events.extend(load_system_log(path, year=year))
+        log = add_system_logs(log or LoadedLog(format="run directory", records=records, segments=[]), system_logs)
     if not records and not (log and log.events):
         raise SourceError(f"{source}: no records")
-    meta = load_run_meta(source) if _is_run_dir(source) else {"source": str(source)}
+    meta = load_run_meta(source) if _is_run_dir(source) else {"source": ", ".join(map(str, several))}
     if log is not None:
-        meta["format"] = log.format
-        meta.update({f"context.{k}": v for k, v in list(log.context.items())[:40]})
-        if log.notes:
-            meta["notes"] = "; ".join(log.notes)
+        meta.update(_log_meta(log))
     if damaged:
         meta["damaged_files"] = json.dumps(damaged)
     rid = run_id or (records[0].run_id if records else _run_id_from(source))
@@ -715,20 +714,40 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
     return result
 
 
+def _log_meta(log: LoadedLog) -> dict[str, str]:
+    """What a log source adds to the report's metadata: format, start-up context, reading notes, rank hosts."""
+    meta = {"format": log.format, **{f"context.{k}": v for k, v in list(log.context.items())[:40]}}
+    if log.notes:
+        meta["notes"] = "; ".join(log.notes)
+    if log.hosts:
+        from stability.sources.ranks import describe_hosts
+
+        meta["hosts"] = describe_hosts(log.hosts)
+    return meta
+
+
 def _is_run_dir(path: Path) -> bool:
     """A stability run directory (archive, spool or run.json), as opposed to a TensorBoard / W&B / HF directory."""
     return path.is_dir() and any((path / name).exists() for name in ("archive", "spool", RUN_META_FILE))
 
 
-def load_source(path: str | Path, *, run_id: str | None = None, loss_averaged: bool | None = None) -> LoadedLog:
+def load_source(path: str | Path | Sequence[str | Path], *, run_id: str | None = None,
+                loss_averaged: bool | None = None) -> LoadedLog:
     """Read any non-Redis source but a stability run directory: a CSV (:func:`load_csv_log`) or a log
-    (:func:`stability.sources.load_log`: training logs, JSON lines, trainer_state.json, TensorBoard, W&B offline).
+    (:func:`stability.sources.load_log`: training logs, JSON lines, trainer_state.json, TensorBoard, W&B offline,
+    a directory of per-rank logs); several paths: the per-rank / per-node / per-task logs of one run
+    (:func:`stability.sources.load_logs`).
 
     Raises:
         SourceError: unreadable, or not a known format (one line naming what was expected).
     """
-    from stability.sources import EXPECTED, load_log, sniff
+    from stability.sources import EXPECTED, load_log, load_logs, sniff
 
+    if not isinstance(path, (str, Path)):
+        paths = [Path(p) for p in path]
+        if len(paths) != 1:
+            return _averaged(load_logs(paths, run_id=run_id), loss_averaged)
+        path = paths[0]
     path = Path(path)
     fmt = sniff(path)
     if fmt == "csv" or (fmt == "unknown" and path.suffix.lower() == ".csv"):
@@ -736,9 +755,12 @@ def load_source(path: str | Path, *, run_id: str | None = None, loss_averaged: b
     if fmt == "unknown":
         if path.is_dir():
             raise SourceError(f"{path}: not a run directory (no archive/, spool/ or run.json) and no TensorBoard, "
-                              f"W&B or HF Trainer files; expected {EXPECTED}")
+                              f"W&B, HF Trainer files or per-rank training logs; expected {EXPECTED}")
         raise SourceError(f"{path}: format not recognised; expected {EXPECTED}")
-    log = load_log(path, run_id=run_id, fmt=fmt)
+    return _averaged(load_log(path, run_id=run_id, fmt=fmt), loss_averaged)
+
+
+def _averaged(log: LoadedLog, loss_averaged: bool | None) -> LoadedLog:
     averaged = set(log.format.split("+")) & {"megatron", "hf-trainer", "hf-trainer-state", "fairseq"}
     if log.records and (loss_averaged or (loss_averaged is None and averaged)):
         log.records = _with_loss_steps(log.records)

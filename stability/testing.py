@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,8 +163,9 @@ def capture_loop(config: WatchConfig, steps: int, before_step: Callable[[int, An
 
 
 def torchrun(script: Path | str, *args: str, nproc: int = 2, env: Mapping[str, str] | None = None,
-             timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run ``script args`` under ``python -m torch.distributed.run`` with ``nproc`` local processes on a free port.
+             timeout: float = 240, launcher: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    """Run ``script args`` under ``python -m torch.distributed.run`` with ``nproc`` local processes on a free port
+    (``launcher``: more torchrun options, e.g. ``("--log-dir", D, "--tee", "3")``).
 
     The environment is ``env`` (default: this process's) without the torchrun variables a parent job may have set,
     with ``OMP_NUM_THREADS=1`` unless given. Output is captured; the caller checks ``returncode``."""
@@ -174,7 +175,7 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2, env: Mapping[str, s
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     base.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), str(script), *args]
+           "--master_port", str(free_port()), *launcher, str(script), *args]
     return subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=timeout)
 
 
