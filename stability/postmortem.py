@@ -53,6 +53,7 @@ from stability.console import display_remedy
 from stability.detectors.base import Finding
 from stability.detectors.causes import remedy
 from stability.detectors.engine import DiagnoserConfig, Incident, RunDiagnoser
+from stability.detectors.history import History
 from stability.errors import RecordError, SourceError
 from stability.phases import Phase, run_phases
 from stability.records import StepRecord, decode
@@ -491,7 +492,7 @@ def _event(incident: Incident) -> dict[str, Any]:
 def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConfig | None = None,
             meta: Mapping[str, str] | None = None, segments: Sequence[Segment] | None = None,
             events: Sequence[LogEvent] | None = None, progress: bool | None = None,
-            run_dir: str | Path | None = None) -> PostmortemResult:
+            run_dir: str | Path | None = None, history: Callable[[], History] | None = None) -> PostmortemResult:
     """Run the detector suite over ``records`` and return the incidents; ``meta`` goes to the report.
 
     ``run_dir`` (default: ``meta["run_dir"]`` when that directory exists here): where the profiler traces and hang
@@ -504,6 +505,7 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
     rollback is analysed too, and steps logged twice are counted once. Segments or ``events`` (a log source) also
     bring the log findings and the causes only logs evidence (:func:`stability.sources.analysis.apply_log_context`).
     ``progress``: a progress bar on stderr (default: when stderr is a terminal and the analysis is long).
+    ``history``: makes each rank's detector history (:class:`RunDiagnoser`'s; the columnar path's lazy one).
     """
     if segments is None and len({(r.rank, r.step) for r in records}) < len(records):
         # a (rank, step) given twice: records of a resumed run in log order (e.g. load_csv's), split as a CSV is
@@ -512,7 +514,7 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
             builder.add(record)
         records, found = builder.finish()
         segments = found if len(found) > 1 else None
-    diagnoser = RunDiagnoser(config)
+    diagnoser = RunDiagnoser(config, history=history)
     alerts: list[Finding] = []
     chunks = [records[s.start:s.stop] for s in segments] if segments else [records]
     owner: dict[int, int] = {}
@@ -654,7 +656,7 @@ def run_redis(url: str, run_id: str | None = None, *, out_dir: str | Path | None
 def run(source: str | Path, json_out: str | Path | None = None, html_out: str | Path | None = None, *,
         run_id: str | None = None, loss_averaged: bool | None = None,
         system_logs: Sequence[str | Path] = (), progress: bool | None = None,
-        baseline: str | Path | None = None) -> PostmortemResult:
+        baseline: str | Path | None = None, exact: bool = False) -> PostmortemResult:
     """Load ``source`` (run directory, Redis URL, CSV file or any log of :func:`load_source`), analyse it and write
     the requested reports.
 
@@ -662,6 +664,9 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
     run to load (see :func:`run_redis`); ``loss_averaged`` is passed to :func:`load_csv`; ``system_logs``: kernel
     logs (dmesg, journal) of the run's nodes whose events go on the same timeline; ``baseline``: another run (any
     source but Redis) to compare with, step by step (:func:`stability.baseline.compare_runs`).
+    A CSV is read as columns and only its global signals and the per-module columns a screen cannot clear are
+    replayed through the detectors (:mod:`stability.fast_postmortem`; the same findings); ``exact`` forces one
+    record per row with every column (the reference path).
 
     Raises:
         SourceError: the source cannot be read or holds no records.
@@ -675,8 +680,12 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
     log: LoadedLog | None = None
     if not source.exists():
         raise SourceError(f"{source}: no such file or directory")
+    table = None if exact or _is_run_dir(source) else _read_columns(source, loss_averaged)
     if _is_run_dir(source):
         records = load_run_dir(source, damaged=damaged)
+    elif table is not None:
+        log = LoadedLog(format="csv", records=[], segments=table.segments)
+        records = []
     else:
         log = load_source(source, run_id=run_id, loss_averaged=loss_averaged)
         records = log.records
@@ -688,7 +697,7 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
         year = time.gmtime(max(dated)).tm_year if dated else None  # syslog dates carry no year
         for path in system_logs:
             log.events.extend(load_system_log(path, year=year))
-    if not records and not (log and log.events):
+    if not records and not (log and log.events) and table is None:
         raise SourceError(f"{source}: no records")
     meta = load_run_meta(source) if _is_run_dir(source) else {"source": str(source)}
     if log is not None:
@@ -700,7 +709,11 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
         meta["damaged_files"] = json.dumps(damaged)
     rid = run_id or (records[0].run_id if records else _run_id_from(source))
     run_dir = source if _is_run_dir(source) else None
-    if log is not None:
+    if table is not None and log is not None:
+        from stability.fast_postmortem import analyze_columns
+
+        result, records = analyze_columns(table, rid, meta=meta, events=log.events, progress=progress)
+    elif log is not None:
         result = analyze(records, rid, meta=meta, segments=log.segments, events=log.events, progress=progress,
                          run_dir=run_dir)
     else:
@@ -713,6 +726,18 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
         result = replace(result, baseline=compare_runs(records, base_records, name=str(other)))
     write_outputs(result, records, json_out=json_out, html_out=html_out)
     return result
+
+
+def _read_columns(path: Path, loss_averaged: bool | None) -> Any:
+    """A CSV source as columns (:func:`stability.sources.columnar.read_columns`), or None: not a CSV, or one the
+    row-by-row reader must take."""
+    from stability.sources import sniff
+    from stability.sources.columnar import read_columns
+
+    fmt = sniff(path)
+    if fmt == "csv" or (fmt == "unknown" and path.suffix.lower() == ".csv"):
+        return read_columns(path, loss_averaged=loss_averaged)
+    return None
 
 
 def _is_run_dir(path: Path) -> bool:
