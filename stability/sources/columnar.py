@@ -1,7 +1,7 @@
 """Columnar reading of a big CSV (issue #11): numpy columns per file instead of one ``StepRecord`` dict per row.
 
-:func:`read_columns` streams the file with ``pyarrow.csv`` (blocks of 16 MB; a numeric column becomes one float64
-array, empty cells a presence mask) and groups the rows into segments with the ``table`` policy of
+:func:`read_columns` streams the file with ``pyarrow.csv`` (column types from the first MB; a numeric column becomes one
+float64 array, empty cells a presence mask) and groups the rows into segments with the ``table`` policy of
 :class:`~stability.sources.SegmentBuilder` (a step the current segment already holds starts a new one; each
 segment sorted by step). It handles the common case only and returns ``None`` for anything else, which then takes
 the row-by-row reader (:func:`stability.postmortem.load_csv_log`) with its exact error messages: ``rank``,
@@ -14,10 +14,12 @@ go through ``float`` itself).
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +28,7 @@ from stability.sources._model import Segment
 __all__ = ["ColumnarCsv", "read_columns"]
 
 META_COLUMNS = ("rank", "run_id", "batch", "host")
-_BLOCK = 1 << 24
+_BLOCK = 1 << 20
 
 
 @dataclass(slots=True, kw_only=True)
@@ -63,10 +65,10 @@ def _header(path: Path) -> list[str]:
     return names
 
 
-def _text_column(chunks: list[object]) -> tuple[np.ndarray, np.ndarray] | None:
+def _text_column(chunks: list[Any]) -> tuple[np.ndarray, np.ndarray] | None:
     """A column pyarrow read as text: None when no cell is a number (ignored, as the row reader does), its
     ``float`` values and presence when every non-blank cell is one; otherwise the row reader must report it."""
-    cells = [c for chunk in chunks for c in chunk.to_pylist()]  # type: ignore[attr-defined]
+    cells = [c for chunk in chunks for c in chunk.to_pylist()]
     values = np.full(len(cells), np.nan)
     present = np.zeros(len(cells), dtype=bool)
     numbers = failures = 0
@@ -97,35 +99,53 @@ def _read(path: Path) -> tuple[list[str], dict[str, tuple[np.ndarray, np.ndarray
     import pyarrow.csv as pacsv
 
     header = _header(path)
-    read = pacsv.ReadOptions(block_size=_BLOCK)
-    with pacsv.open_csv(path, read_options=read) as probe:
-        inferred = probe.schema
+    with path.open("rb") as handle:
+        head = handle.read(_BLOCK)
+    if len(head) == _BLOCK:
+        head = head[: head.rfind(b"\n") + 1]
+    inferred = pacsv.read_csv(io.BytesIO(head)).schema  # types of the first MB (cheap; later text is checked)
     numeric = {f.name for f in inferred if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)}
     types = {name: pa.float64() if name in numeric else pa.string() for name in header}
     convert = pacsv.ConvertOptions(column_types=types, null_values=[""], strings_can_be_null=True,
                                    quoted_strings_can_be_null=True)
-    chunks: dict[str, list[object]] = {name: [] for name in header}
-    with pacsv.open_csv(path, read_options=read, convert_options=convert) as reader:
+    rows = _line_count(path)  # at least the rows (a quoted newline only makes fewer): one array per column
+    values = {name: np.empty(rows) for name in header if name in numeric}
+    present: dict[str, np.ndarray] = {}
+    texts: dict[str, list[Any]] = {name: [] for name in header if name not in numeric}
+    done = 0
+    with pacsv.open_csv(path, convert_options=convert) as reader:  # batch by batch: no whole-file table
         for batch in reader:
+            n = batch.num_rows
             for name, column in zip(batch.schema.names, batch.columns, strict=True):
-                chunks[name].append(column)
+                if name in texts:
+                    texts[name].append(column)
+                    continue
+                values[name][done:done + n] = column.to_numpy(zero_copy_only=False)
+                if column.null_count:
+                    if name not in present:
+                        present[name] = np.ones(rows, dtype=bool)
+                    present[name][done:done + n] = column.is_valid().to_numpy(zero_copy_only=False)
+            done += n
     columns: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}
     for name in header:
-        parts, chunks[name] = chunks[name], []
-        if name not in numeric:
-            text = _text_column(parts)
+        if name in texts:
+            text = _text_column(texts.pop(name))
             if text is not None:
-                columns[name] = (text[0], text[1])
-            continue
-        values = np.concatenate([c.to_numpy(zero_copy_only=False) for c in parts]) if parts else np.zeros(0)
-        nulls = sum(c.null_count for c in parts)  # type: ignore[attr-defined]
-        present = None
-        if nulls:
-            present = np.concatenate([c.is_valid().to_numpy(zero_copy_only=False) for c in parts])
-            if not present.any():
-                continue
-        columns[name] = (values.astype(np.float64, copy=False), present)
+                columns[name] = text
+        elif name not in present:
+            columns[name] = (values[name][:done], None)
+        elif present[name][:done].any():
+            columns[name] = (values[name][:done], present[name][:done])
+    pa.default_memory_pool().release_unused()
     return header, columns
+
+
+def _line_count(path: Path) -> int:
+    count = 0
+    with path.open("rb") as handle:
+        while block := handle.read(1 << 24):
+            count += block.count(b"\n")
+    return count + 1
 
 
 def _segments(steps: np.ndarray) -> tuple[np.ndarray, list[Segment]]:
@@ -190,16 +210,18 @@ def read_columns(path: str | Path, *, step_column: str = "step", rename: Mapping
             or (raw_steps != np.floor(raw_steps)).any() or raw_steps.max() >= 2**53:
         return None
     order, segments = _segments(raw_steps.astype(np.int64))
+    identity = bool((order == np.arange(len(order))).all())
     names, values, present = [], [], []
     for name in header:
         if name in columns:
             col, mask = columns.pop(name)
             names.append((rename or {}).get(name, name))
-            values.append(col[order])
-            present.append(None if mask is None or mask.all() else mask[order])
+            values.append(col if identity else col[order])
+            present.append(None if mask is None or mask.all() else mask if identity else mask[order])
     if len(set(names)) != len(names):
         return None
-    table = ColumnarCsv(names=names, values=values, present=present, steps=raw_steps.astype(np.int64)[order],
+    steps = raw_steps.astype(np.int64)
+    table = ColumnarCsv(names=names, values=values, present=present, steps=steps if identity else steps[order],
                         segments=segments, header=header)
     if loss_averaged is None:
         loss_averaged = {"consumed_samples", "skipped_iters"} <= set(header)
