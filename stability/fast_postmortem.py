@@ -28,10 +28,11 @@ incident (heat maps) and on each segment's first record (the signal list).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -67,7 +68,7 @@ def _config_matches(config: DiagnoserConfig) -> bool:
 def _chunks(steps: np.ndarray) -> list[tuple[int, int]]:
     """Row ranges between resumes (a step going back: the engine starts fresh detectors)."""
     cuts = [0, *(np.flatnonzero(np.diff(steps) < 0) + 1).tolist(), len(steps)]
-    return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def _column(table: ColumnarCsv, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +86,7 @@ def skipped_rows(table: ColumnarCsv) -> np.ndarray:
     skipped, has_skipped = _column(table, "skipped")
     scale, _ = _column(table, "loss_scale")
     grad, has_grad = _column(table, "grad_norm")
-    out = has_skipped & (np.nan_to_num(skipped, nan=0.0) > 0)
+    out: np.ndarray = has_skipped & (np.nan_to_num(skipped, nan=0.0) > 0)
     valid = np.isfinite(scale) & (scale > 0)
     for a, b in _chunks(table.steps):
         idx = np.where(valid[a:b], np.arange(b - a), -1)
@@ -109,7 +110,8 @@ def _window(values: np.ndarray, size: int, reduce: Callable[[np.ndarray, np.ndar
         span *= 2
     n = len(values)
     # acc[i] covers padded[i : i + span]; the window before position k is padded[k : k + size]
-    return reduce(acc[:n], acc[size - span: size - span + n])
+    out: np.ndarray = reduce(acc[:n], acc[size - span: size - span + n])
+    return out
 
 
 def _column_quiet(y: np.ndarray, x: np.ndarray) -> bool:
@@ -265,20 +267,19 @@ class ColumnHistory(History):
 def _rows(table: ColumnarCsv, columns: list[int], run_id: str) -> Iterator[StepRecord]:
     """One record per row with ``columns`` (absent cells left out)."""
     names = [table.names[i] for i in columns]
-    lists = [table.values[i].tolist() for i in columns]
+    lists: list[list[Any]] = [table.values[i].tolist() for i in columns]
     for i, col in zip(columns, lists, strict=True):
         mask = table.present[i]
         if mask is not None:
-            for row in np.flatnonzero(~mask).tolist():
-                col[row] = None
+            for absent in np.flatnonzero(~mask).tolist():
+                col[absent] = None
     sparse = any(table.present[i] is not None for i in columns)
-    for step, row in zip(table.steps.tolist(), zip(*lists, strict=True) if lists else iter(()), strict=False):
-        signals = {n: v for n, v in zip(names, row, strict=True) if v is not None} if sparse else dict(
-            zip(names, row, strict=True))
+    steps = table.steps.tolist()
+    rows: Iterator[tuple[Any, ...]] = zip(*lists, strict=True) if lists else iter([()] * len(steps))
+    for step, row in zip(steps, rows, strict=True):
+        pairs = zip(names, row, strict=True)
+        signals = {n: v for n, v in pairs if v is not None} if sparse else dict(pairs)
         yield StepRecord(run_id=run_id, step=step, signals=signals)
-    if not lists:
-        for step in table.steps.tolist():
-            yield StepRecord(run_id=run_id, step=step, signals={})
 
 
 def analyze_columns(table: ColumnarCsv, run_id: str, *, config: DiagnoserConfig | None = None,

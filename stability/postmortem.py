@@ -61,6 +61,7 @@ from stability.sources import LoadedLog, LogEvent, Segment, SegmentBuilder
 
 if TYPE_CHECKING:
     from stability.report.artifacts import Artifact
+    from stability.sources.columnar import ColumnarCsv
 
 __all__ = [
     "PostmortemResult",
@@ -680,15 +681,7 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
     log: LoadedLog | None = None
     if not source.exists():
         raise SourceError(f"{source}: no such file or directory")
-    table = None if exact or _is_run_dir(source) else _read_columns(source, loss_averaged)
-    if _is_run_dir(source):
-        records = load_run_dir(source, damaged=damaged)
-    elif table is not None:
-        log = LoadedLog(format="csv", records=[], segments=table.segments)
-        records = []
-    else:
-        log = load_source(source, run_id=run_id, loss_averaged=loss_averaged)
-        records = log.records
+    records, log, table = _load(source, run_id=run_id, loss_averaged=loss_averaged, exact=exact, damaged=damaged)
     if system_logs:
         from stability.sources import load_system_log
 
@@ -699,14 +692,7 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
             log.events.extend(load_system_log(path, year=year))
     if not records and not (log and log.events) and table is None:
         raise SourceError(f"{source}: no records")
-    meta = load_run_meta(source) if _is_run_dir(source) else {"source": str(source)}
-    if log is not None:
-        meta["format"] = log.format
-        meta.update({f"context.{k}": v for k, v in list(log.context.items())[:40]})
-        if log.notes:
-            meta["notes"] = "; ".join(log.notes)
-    if damaged:
-        meta["damaged_files"] = json.dumps(damaged)
+    meta = _meta(source, log, damaged)
     rid = run_id or (records[0].run_id if records else _run_id_from(source))
     run_dir = source if _is_run_dir(source) else None
     if table is not None and log is not None:
@@ -728,7 +714,31 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
     return result
 
 
-def _read_columns(path: Path, loss_averaged: bool | None) -> Any:
+def _load(source: Path, *, run_id: str | None, loss_averaged: bool | None, exact: bool, damaged: list[str]
+          ) -> tuple[list[StepRecord], LoadedLog | None, ColumnarCsv | None]:
+    """The records of ``source`` (none yet for a CSV read as columns), its log and its columns."""
+    if _is_run_dir(source):
+        return load_run_dir(source, damaged=damaged), None, None
+    table = None if exact else _read_columns(source, loss_averaged)
+    if table is not None:
+        return [], LoadedLog(format="csv", records=[], segments=table.segments), table
+    log = load_source(source, run_id=run_id, loss_averaged=loss_averaged)
+    return log.records, log, None
+
+
+def _meta(source: Path, log: LoadedLog | None, damaged: list[str]) -> dict[str, str]:
+    meta = load_run_meta(source) if _is_run_dir(source) else {"source": str(source)}
+    if log is not None:
+        meta["format"] = log.format
+        meta.update({f"context.{k}": v for k, v in list(log.context.items())[:40]})
+        if log.notes:
+            meta["notes"] = "; ".join(log.notes)
+    if damaged:
+        meta["damaged_files"] = json.dumps(damaged)
+    return meta
+
+
+def _read_columns(path: Path, loss_averaged: bool | None) -> ColumnarCsv | None:
     """A CSV source as columns (:func:`stability.sources.columnar.read_columns`), or None: not a CSV, or one the
     row-by-row reader must take."""
     from stability.sources import sniff

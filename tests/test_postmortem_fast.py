@@ -11,12 +11,14 @@ import math
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from stability import postmortem
 from stability.detectors.engine import DiagnoserConfig, RunDiagnoser
+from stability.errors import SourceError
 from stability.fast_postmortem import _window, quiet_columns, skipped_rows
 from stability.sources.columnar import read_columns
 
@@ -74,14 +76,14 @@ def _write(path: Path, rows: list[dict[str, str]]) -> Path:
     return path
 
 
-def _findings(source: Path, out: Path, *, exact: bool) -> dict[str, object]:
+def _findings(source: Path, out: Path, *, exact: bool) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     postmortem.run(source, json_out=out / "f.json", html_out=out / "r.html", exact=exact, progress=False)
-    data: dict[str, object] = json.loads((out / "f.json").read_text())
+    data: dict[str, Any] = json.loads((out / "f.json").read_text())
     return data
 
 
-def _same(source: Path, tmp_path: Path) -> dict[str, object]:
+def _same(source: Path, tmp_path: Path) -> dict[str, Any]:
     exact = _findings(source, tmp_path / "exact", exact=True)
     fast = _findings(source, tmp_path / "fast", exact=False)
     assert fast == exact
@@ -89,18 +91,19 @@ def _same(source: Path, tmp_path: Path) -> dict[str, object]:
     return fast
 
 
-CASES = {"clean": {}, "layer_jump": {"fault": "layer_jump"}, "loss_spike": {"fault": "loss_spike"},
-         "vanish": {"fault": "vanish"}, "nan": {"fault": "nan"}, "fp16": {"fault": "fp16"},
-         "sparse_layers": {"every": 10, "fault": "loss_spike"}, "precursor": {"fault": "precursor"}}
+CASES: dict[str, dict[str, Any]] = {
+    "clean": {}, "layer_jump": {"fault": "layer_jump"}, "loss_spike": {"fault": "loss_spike"},
+    "vanish": {"fault": "vanish"}, "nan": {"fault": "nan"}, "fp16": {"fault": "fp16"},
+    "sparse_layers": {"every": 10, "fault": "loss_spike"}, "precursor": {"fault": "precursor"}}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_synthetic_faults_same_findings(case: str, tmp_path: Path) -> None:
-    source = _write(tmp_path / f"{case}.csv", _rows(1500, **CASES[case]))  # type: ignore[arg-type]
+    source = _write(tmp_path / f"{case}.csv", _rows(1500, **CASES[case]))
     found = _same(source, tmp_path)
-    kinds = {i["kind"] for i in found["events"]}  # type: ignore[attr-defined,index]
+    kinds = {i["kind"] for i in found["events"]}
     expected = {"layer_jump": "grad_explosion", "loss_spike": "loss_spike", "vanish": "grad_vanishing",
-                "nan": "nan"}.get(CASES[case].get("fault", ""))  # type: ignore[call-overload]
+                "nan": "nan"}.get(CASES[case].get("fault", ""))
     if expected is not None and case != "sparse_layers":
         assert expected in kinds
 
@@ -112,7 +115,7 @@ def test_resumed_csv_same_findings(tmp_path: Path) -> None:
     table = read_columns(source)
     assert table is not None and len(table.segments) == 2
     found = _same(source, tmp_path)
-    assert len(found["segments"]) == 2  # type: ignore[arg-type]
+    assert len(found["segments"]) == 2
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in REAL_RUNS.glob("*.csv")) if REAL_RUNS.is_dir() else [])
@@ -159,7 +162,7 @@ def test_unusual_csv_takes_the_row_reader(tmp_path: Path) -> None:
     (tmp_path / "blank.csv").write_text("step,loss\n1,2.0\n,2.1\n")
     for name in ("ranks.csv", "bad.csv", "blank.csv"):
         assert read_columns(tmp_path / name) is None
-    with pytest.raises(postmortem.SourceError, match="line 3, column 'loss'"):
+    with pytest.raises(SourceError, match="line 3, column 'loss'"):
         postmortem.run(tmp_path / "bad.csv")
 
 
@@ -192,9 +195,9 @@ def test_window_reduces_the_values_before_each_position() -> None:
 def test_column_history_holds_what_the_engine_history_holds(tmp_path: Path) -> None:
     """The lazy per-module history gives ranking the same series and values as the engine's ring, with
     skipped steps (gradients absent) and layers logged every 10 steps."""
+    from stability.detectors.history import TRACKED_QUANTITIES
     from stability.fast_postmortem import ColumnHistory, _Feed
     from stability.fast_postmortem import _rows as light_rows
-    from stability.detectors.history import TRACKED_QUANTITIES
     from stability.records import split_signal
 
     source = _write(tmp_path / "fp16.csv", _rows(700, fault="fp16", every=10))
