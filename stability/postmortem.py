@@ -565,8 +565,11 @@ def _phases(records: Sequence[StepRecord], segments: Sequence[Segment]) -> tuple
         return ()
 
 
-PROGRESS_MIN_RECORDS = 50_000
-"""Records above which :func:`analyze` shows a progress bar (about a second of detector time)."""
+PROGRESS_MIN_RECORDS = 5_000
+"""Records above which :func:`analyze` shows a progress bar (about a second of detector time: ~170 us a record
+for a one-rank log, docs/benchmarks.md)."""
+READ_STATUS_BYTES = 20 << 20
+"""A CSV above this size shows a "reading" status on a terminal while it is read as columns (~1 s)."""
 
 
 @contextlib.contextmanager
@@ -745,9 +748,14 @@ def _read_columns(path: Path, loss_averaged: bool | None) -> ColumnarCsv | None:
     from stability.sources.columnar import read_columns
 
     fmt = sniff(path)
-    if fmt == "csv" or (fmt == "unknown" and path.suffix.lower() == ".csv"):
+    if not (fmt == "csv" or (fmt == "unknown" and path.suffix.lower() == ".csv")):
+        return None
+    if not (sys.stderr.isatty() and path.stat().st_size >= READ_STATUS_BYTES):
         return read_columns(path, loss_averaged=loss_averaged)
-    return None
+    from rich.console import Console
+
+    with Console(stderr=True).status(f"reading {path.name} ({path.stat().st_size >> 20} MB)"):
+        return read_columns(path, loss_averaged=loss_averaged)
 
 
 def _is_run_dir(path: Path) -> bool:
