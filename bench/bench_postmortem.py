@@ -1,12 +1,14 @@
 """Post-mortem speed and memory on large sources (issue #11: 1M steps x 100 signals in < 30 s, < 2 GB).
 
-One command: ``python bench/bench_postmortem.py [--steps 20000 50000] [--signals 4 100] [--format csv megatron]``.
-For each size it writes a synthetic source (a CSV with ``step, loss, grad_norm, lr, loss_scale`` + per-module
-``grad_norm/h.K`` columns; or a Megatron-LM stdout log with the same global signals), then in a fresh subprocess
-measures: parse time, detector time (:func:`stability.postmortem.analyze`), and peak RSS. The baseline measured
-in the same run is a bare ``csv.reader`` / line-split pass over the same file; the ratios say how much slower the
-post-mortem is than reading the bytes. The 1M-step figure is extrapolated linearly from the largest size (both
-parse and detectors are O(steps)).
+One command: ``python bench/bench_postmortem.py [--steps 100000 1000000] [--signals 4 100] [--format csv megatron]
+[--exact]``. For each size it writes a synthetic source (a CSV with ``step, loss, grad_norm, lr, loss_scale`` +
+per-module ``grad_norm/h.K`` columns; or a Megatron-LM stdout log with the same global signals), then in a fresh
+subprocess measures what ``stability postmortem`` does: read (a CSV as columns, :mod:`stability.sources.columnar`;
+``--exact`` or a log: one record per row), detectors (:func:`stability.fast_postmortem.analyze_columns`, or
+:func:`stability.postmortem.analyze`), findings + HTML report, and the peak RSS. The baseline measured in the same
+run is a bare ``csv.reader`` / line-split pass over the same file; the ratios say how much slower the post-mortem
+is than reading the bytes. The 1M-step column is extrapolated linearly from the size measured (run ``--steps
+1000000`` to measure it directly).
 """
 
 from __future__ import annotations

@@ -225,3 +225,23 @@ def test_column_history_holds_what_the_engine_history_holds(tmp_path: Path) -> N
             assert mine.ordered().tolist() == ring.ordered().tolist()
             for name in ring.series:
                 assert np.array_equal(mine.ordered(name), ring.ordered(name), equal_nan=True)
+
+
+def test_cli_exact_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stability postmortem --exact`` takes the row-by-row path; both write the same findings."""
+    from stability import cli
+
+    source = _write(tmp_path / "jump.csv", _rows(1200, fault="layer_jump"))
+    calls: list[bool] = []
+    run = postmortem.run
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs["exact"])
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(postmortem, "run", spy)
+    for flag, name in (([], "fast.json"), (["--exact"], "exact.json")):
+        assert cli.main(["postmortem", str(source), "--json", str(tmp_path / name),
+                         "--html", str(tmp_path / f"{name}.html"), *flag]) == 0
+    assert calls == [False, True]
+    assert json.loads((tmp_path / "fast.json").read_text()) == json.loads((tmp_path / "exact.json").read_text())
