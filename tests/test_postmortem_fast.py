@@ -160,7 +160,9 @@ def test_unusual_csv_takes_the_row_reader(tmp_path: Path) -> None:
     (tmp_path / "ranks.csv").write_text("step,rank,loss\n1,0,2.0\n1,1,2.1\n")
     (tmp_path / "bad.csv").write_text("step,loss\n1,2.0\n2,oops\n")
     (tmp_path / "blank.csv").write_text("step,loss\n1,2.0\n,2.1\n")
-    for name in ("ranks.csv", "bad.csv", "blank.csv"):
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbfstep,loss\n1,2.0\n")
+    (tmp_path / "cr.csv").write_bytes(b"step,loss\r1,2.0\r2,2.1\r")
+    for name in ("ranks.csv", "bad.csv", "blank.csv", "bom.csv", "cr.csv"):
         assert read_columns(tmp_path / name) is None
     with pytest.raises(SourceError, match="line 3, column 'loss'"):
         postmortem.run(tmp_path / "bad.csv")

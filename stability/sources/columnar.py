@@ -114,8 +114,12 @@ def _read(path: Path) -> tuple[list[str], dict[str, tuple[np.ndarray, np.ndarray
     texts: dict[str, list[Any]] = {name: [] for name in header if name not in numeric}
     done = 0
     with pacsv.open_csv(path, convert_options=convert) as reader:  # batch by batch: no whole-file table
+        if reader.schema.names != header:  # (pyarrow drops a byte-order mark that csv keeps)
+            raise _Fallback
         for batch in reader:
             n = batch.num_rows
+            if done + n > rows:
+                raise _Fallback
             for name, column in zip(batch.schema.names, batch.columns, strict=True):
                 if name in texts:
                     texts[name].append(column)
