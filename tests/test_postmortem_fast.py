@@ -247,3 +247,34 @@ def test_cli_exact_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
                          "--html", str(tmp_path / f"{name}.html"), *flag]) == 0
     assert calls == [False, True]
     assert json.loads((tmp_path / "fast.json").read_text()) == json.loads((tmp_path / "exact.json").read_text())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_columns_equal_the_row_reader(seed: int, tmp_path: Path) -> None:
+    """Random CSVs (resumes, absent cells, nan / inf / exponents, a Megatron loss interval): the columns hold
+    exactly the row reader's records, in its order, with its segments."""
+    rng = random.Random(seed)
+    cells = ["nan", "inf", "-Infinity", "1e-3", "2.5E+2", "0", "-7", ".5", ""]
+    lines = ["step,loss,grad_norm/a.0,consumed_samples,skipped_iters"]
+    step = 0
+    gaps = [1, 2, 10] if seed % 2 else [2, 10]  # (a log interval of 2: every row gets loss_steps)
+    for _ in range(300):
+        step = max(0, step - 2 * rng.randrange(20)) if rng.random() < 0.02 else step + rng.choice(gaps)
+        line = [str(step)] + [rng.choice(cells) if rng.random() < 0.2 else f"{rng.uniform(0, 5):.6g}"
+                              for _ in range(2)] + [str(step * 8), "0"]
+        lines.append(",".join(line))
+    source = tmp_path / "random.csv"
+    source.write_text("\n".join(lines) + "\n")
+    table = read_columns(source)
+    log = postmortem.load_csv_log(source)
+    assert table is not None
+    assert [(s.start, s.stop, s.first_step, s.last_step, s.reason, s.resumed_after) for s in table.segments] == [
+        (s.start, s.stop, s.first_step, s.last_step, s.reason, s.resumed_after) for s in log.segments]
+    assert table.steps.tolist() == [r.step for r in log.records]
+    for row, record in enumerate(log.records):
+        got = {n: float(v[row]) for n, v, m in zip(table.names, table.values, table.present, strict=True)
+               if m is None or m[row]}
+        assert list(got) == list(record.signals)
+        assert ("loss_steps" in got) == (seed % 2 == 0)
+        assert all(got[k] == record.signals[k] or (math.isnan(got[k]) and math.isnan(record.signals[k]))
+                   for k in got)

@@ -94,17 +94,25 @@ def _text_column(chunks: list[Any]) -> tuple[np.ndarray, np.ndarray] | None:
     return values, present
 
 
-def _read(path: Path) -> tuple[list[str], dict[str, tuple[np.ndarray, np.ndarray | None]]]:
+def _numeric(path: Path) -> set[str]:
+    """Columns pyarrow reads as numbers in the first MB (cheap; the text of the others is checked later)."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    header = _header(path)
     with path.open("rb") as handle:
         head = handle.read(_BLOCK)
     if len(head) == _BLOCK:
         head = head[: head.rfind(b"\n") + 1]
-    inferred = pacsv.read_csv(io.BytesIO(head)).schema  # types of the first MB (cheap; later text is checked)
-    numeric = {f.name for f in inferred if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)}
+    inferred = pacsv.read_csv(io.BytesIO(head)).schema
+    return {f.name for f in inferred if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)}
+
+
+def _stream(path: Path, header: list[str], numeric: set[str]
+            ) -> tuple[int, dict[str, np.ndarray], dict[str, np.ndarray], dict[str, list[Any]]]:
+    """Rows read, then per column: float64 values and presence (numeric columns), arrow chunks (text columns)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
     types = {name: pa.float64() if name in numeric else pa.string() for name in header}
     convert = pacsv.ConvertOptions(column_types=types, null_values=[""], strings_can_be_null=True,
                                    quoted_strings_can_be_null=True)
@@ -130,6 +138,13 @@ def _read(path: Path) -> tuple[list[str], dict[str, tuple[np.ndarray, np.ndarray
                         present[name] = np.ones(rows, dtype=bool)
                     present[name][done:done + n] = column.is_valid().to_numpy(zero_copy_only=False)
             done += n
+    pa.default_memory_pool().release_unused()
+    return done, values, present, texts
+
+
+def _read(path: Path) -> tuple[list[str], dict[str, tuple[np.ndarray, np.ndarray | None]]]:
+    header = _header(path)
+    done, values, present, texts = _stream(path, header, _numeric(path))
     columns: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}
     for name in header:
         if name in texts:
@@ -140,7 +155,6 @@ def _read(path: Path) -> tuple[list[str], dict[str, tuple[np.ndarray, np.ndarray
             columns[name] = (values[name][:done], None)
         elif present[name][:done].any():
             columns[name] = (values[name][:done], present[name][:done])
-    pa.default_memory_pool().release_unused()
     return header, columns
 
 
