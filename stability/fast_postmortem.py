@@ -288,13 +288,14 @@ def analyze_columns(table: ColumnarCsv, run_id: str, *, config: DiagnoserConfig 
                     ) -> tuple[PostmortemResult, list[StepRecord]]:
     """:func:`stability.postmortem.analyze` of a columnar CSV (see the module docstring); returns the result and
     the records for the report."""
-    from stability.postmortem import analyze
+    from stability.postmortem import STATUS_MIN_RECORDS, analyze, status
 
     config = config or DiagnoserConfig()
-    skipped = skipped_rows(table)
-    quiet = quiet_columns(table, skipped, config)
-    kept = [i for i, n in enumerate(table.names) if n not in quiet]
-    records = list(_rows(table, kept, run_id))
+    with status("screening the per-layer columns", progress is not False and len(table) >= STATUS_MIN_RECORDS):
+        skipped = skipped_rows(table)
+        quiet = quiet_columns(table, skipped, config)
+        kept = [i for i, n in enumerate(table.names) if n not in quiet]
+        records = list(_rows(table, kept, run_id))
     factory = None
     if quiet:
         tracked = [i for i, n in enumerate(table.names)

@@ -570,6 +570,21 @@ PROGRESS_MIN_RECORDS = 5_000
 for a one-rank log, docs/benchmarks.md)."""
 READ_STATUS_BYTES = 20 << 20
 """A CSV above this size shows a "reading" status on a terminal while it is read as columns (~1 s)."""
+STATUS_MIN_RECORDS = 50_000
+"""Records above which the steps around the detectors (screen, report) show a status line on a terminal."""
+
+
+@contextlib.contextmanager
+def status(text: str, enabled: bool = True) -> Iterator[None]:
+    """A transient ``rich`` status line (spinner + ``text``) on stderr while the block runs, only when stderr is a
+    terminal and ``enabled``."""
+    if not (enabled and sys.stderr.isatty()):
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(text):
+        yield
 
 
 @contextlib.contextmanager
@@ -713,7 +728,8 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
         other = Path(baseline)
         base_records = load_run_dir(other) if _is_run_dir(other) else load_source(other).records
         result = replace(result, baseline=compare_runs(records, base_records, name=str(other)))
-    write_outputs(result, records, json_out=json_out, html_out=html_out)
+    with status("writing the findings and the report", len(records) >= STATUS_MIN_RECORDS):
+        write_outputs(result, records, json_out=json_out, html_out=html_out)
     return result
 
 
@@ -750,11 +766,8 @@ def _read_columns(path: Path, loss_averaged: bool | None) -> ColumnarCsv | None:
     fmt = sniff(path)
     if not (fmt == "csv" or (fmt == "unknown" and path.suffix.lower() == ".csv")):
         return None
-    if not (sys.stderr.isatty() and path.stat().st_size >= READ_STATUS_BYTES):
-        return read_columns(path, loss_averaged=loss_averaged)
-    from rich.console import Console
-
-    with Console(stderr=True).status(f"reading {path.name} ({path.stat().st_size >> 20} MB)"):
+    size = path.stat().st_size
+    with status(f"reading {path.name} ({size >> 20} MB)", size >= READ_STATUS_BYTES):
         return read_columns(path, loss_averaged=loss_averaged)
 
 
