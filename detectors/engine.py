@@ -49,6 +49,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -211,7 +212,7 @@ class Verdicts(Protocol):
 class _RankSuite:
     """Detectors, history and incident bookkeeping of one rank."""
 
-    def __init__(self, config: DiagnoserConfig) -> None:
+    def __init__(self, config: DiagnoserConfig, history: Callable[[], History] | None = None) -> None:
         self.detectors: list[Detector] = [
             ScheduleDetector(config.schedule),  # first: an LR change precedes everything it causes
             NanDetector(config.nan), SpikeDetector(config.spike), DivergenceDetector(config.divergence),
@@ -220,8 +221,8 @@ class _RankSuite:
             LayerJumpDetector(config.layer_grad), AdamLagDetector(config.adam_lag), PlateauDetector(config.plateau),
             StepTimeDetector(config.steptime), MemoryDetector(config.memory),  # performance: detectors/steptime.py
         ]
-        self.history = History(steps=config.history_steps, module_steps=config.module_history_steps,
-                               max_series=config.max_series)
+        self.history = history() if history is not None else History(
+            steps=config.history_steps, module_steps=config.module_history_steps, max_series=config.max_series)
         self.last_alert: dict[str, tuple[int, int]] = {}
         """kind -> (step, severity rank) of its last alert."""
         self.last_step = -1
@@ -266,8 +267,11 @@ class _RankSuite:
 class RunDiagnoser:
     """Detector suite for one run (all ranks); see the module docstring."""
 
-    def __init__(self, config: DiagnoserConfig | None = None, *, verdicts: Verdicts | None = None) -> None:
+    def __init__(self, config: DiagnoserConfig | None = None, *, verdicts: Verdicts | None = None,
+                 history: Callable[[], History] | None = None) -> None:
         self.config = config or DiagnoserConfig()
+        self._history = history
+        """Makes each rank's :class:`History` (None: the default); the columnar post-mortem's lazy one."""
         self._verdicts = verdicts
         """External cross-rank verdicts (a shard of a sharded run); None: compare the ranks here."""
         self._ranks: dict[int, _RankSuite] = {}
@@ -287,7 +291,7 @@ class RunDiagnoser:
     def _suite(self, rank: int) -> _RankSuite:
         suite = self._ranks.get(rank)
         if suite is None:
-            suite = self._ranks[rank] = _RankSuite(self.config)
+            suite = self._ranks[rank] = _RankSuite(self.config, self._history)
         return suite
 
     def update(self, record: StepRecord) -> list[Finding]:
@@ -359,7 +363,7 @@ class RunDiagnoser:
         """``rank`` went back from ``before`` to ``after``: fresh detectors and history, a new incident next."""
         logger.info("rank %d resumed: step %d after step %d; re-baselining its detectors", rank, after, before)
         self.resumes.append((rank, before, after))
-        suite = self._ranks[rank] = _RankSuite(self.config)
+        suite = self._ranks[rank] = _RankSuite(self.config, self._history)
         self._open.pop(rank, None)
         self._open.pop(~rank, None)
         self._crossrank.reset(after)

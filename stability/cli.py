@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     pm.add_argument("--baseline", type=Path, default=None, metavar="OTHER_SOURCE",
                     help="another run (any source but Redis) to compare with, aligned on step: the first step and the "
                     "signals where the two runs part")
+    pm.add_argument("--exact", action="store_true",
+                    help="replay every column of a CSV through the detectors, one record per row (the reference "
+                    "path; by default a CSV is read as columns and quiet per-layer columns are screened out: the same "
+                    "findings, much faster on big files)")
 
     runs = sub.add_parser("runs", help="list the runs in a Redis (status, ranks, last step, incidents, run dir)",
                           description="List the runs in a Redis: status (running / finished / died at step N), "
@@ -200,7 +204,8 @@ def _postmortem(args: argparse.Namespace) -> int:
         json_out, html_out = args.json_out or json_default, args.html_out or html_default
         given = [Path(s) for s in sources] if len(sources) > 1 else source
         result = postmortem.run(given, json_out=json_out, html_out=html_out, run_id=args.run_id,
-                                loss_averaged=averaged, system_logs=args.system_logs, baseline=args.baseline)
+                                loss_averaged=averaged, system_logs=args.system_logs, baseline=args.baseline,
+                                exact=args.exact)
     print(report.render_text(result))
     print(f"findings: {json_out}")
     print(f"report:   {html_out}")
