@@ -237,7 +237,7 @@ def test_real_diagnoser_crash_gives_the_same_findings_as_a_clean_run(redis_clien
     assert sorted(map(key, crashy)) == sorted(map(key, clean))
     assert max(Counter(map(key, crashy)).values()) == 1
     # byte-for-byte (the state may hold NaN evidence, and nan != nan in a dict comparison)
-    assert redis_client.get(keys.state("crashy")) == redis_client.get(keys.state("clean"))
+    assert redis_client.hgetall(keys.state("crashy")) == redis_client.hgetall(keys.state("clean"))
 
 
 def test_lease_excludes_a_concurrent_drainer(redis_client: Any) -> None:

@@ -49,7 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgpack
 import redis
@@ -71,6 +71,9 @@ CONSUMER = "drainer"
 
 ERRORS_MAXLEN = 10_000
 """The errors stream keeps about this many rejected entries."""
+
+RUN_FIELD = "_run"
+"""Field of a per-rank snapshot hash holding the run part (the ranks are ``r<rank>``)."""
 
 _EXTEND = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -142,6 +145,18 @@ class Diagnoser(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@runtime_checkable
+class PartedDiagnoser(Diagnoser, Protocol):
+    """A diagnoser whose state is saved incrementally, one hash field per rank (``RunDiagnoser``; see
+    :meth:`~stability.detectors.engine.RunDiagnoser.state_parts`)."""
+
+    def state_parts(self, *, changed_only: bool = True) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]: ...
+    def load_state_parts(self, run: dict[str, Any], fetch: Callable[[int], dict[str, Any] | None]) -> None: ...
+
+
+_Parted = PartedDiagnoser
+
+
 @dataclass(slots=True, kw_only=True)
 class DrainResult:
     """What one :meth:`Drainer.run` did."""
@@ -183,6 +198,8 @@ class _Context:
     committed_at: float = field(default_factory=time.monotonic)
     extra: dict[str, Any] = field(default_factory=dict)
     """What a subclass keeps with the context (a shard's summary watermark)."""
+    rewrite_state: bool = False
+    """The next commit replaces the whole snapshot key (it held a snapshot of the former one-string format)."""
 
 
 _CONTEXTS: dict[str, _Context] = {}
@@ -285,7 +302,8 @@ class Drainer:
         mine = kept is not None and kept.factory is self._new_diagnoser
         if self._take_over(keys=[self._owner_key], args=[kept.token if mine and kept else "", fresh]) and kept:
             return kept
-        ctx = _Context(token=fresh, factory=self._new_diagnoser, diag=self._load_diagnoser())
+        diag, legacy = self._load_diagnoser()
+        ctx = _Context(token=fresh, factory=self._new_diagnoser, diag=diag, rewrite_state=legacy)
         self._fresh_context(ctx)
         return ctx
 
@@ -399,12 +417,30 @@ class Drainer:
         flags = self.client.hmget(keys.meta(self.run_id), [f"ended:{r}" for r in ranks])
         return all(flags)  # type: ignore[arg-type]
 
-    def _load_diagnoser(self) -> Diagnoser:
+    def _load_diagnoser(self) -> tuple[Diagnoser, bool]:
+        """A diagnoser from the snapshot, and whether the snapshot is a whole state in one string.
+
+        A parted diagnoser's snapshot is a hash (:data:`RUN_FIELD` and ``r<rank>`` per rank): only the run part is
+        read here; each rank's field is read when the rank is first needed. A snapshot in one string (a diagnoser
+        without parts, or one saved before the parted format) is loaded whole.
+        """
         diag = self._new_diagnoser()
-        raw = self.client.get(self._state_key)
-        if raw is not None:
-            diag.load_state_dict(msgpack.unpackb(raw, raw=False, strict_map_key=False))  # type: ignore[arg-type]
-        return diag
+        key = self._state_key
+        kind = _text(self.client.type(key))  # type: ignore[arg-type]
+        if kind == "string":
+            diag.load_state_dict(_unpack(self.client.get(key)))  # type: ignore[arg-type]
+            return diag, True
+        if kind == "hash":
+            run = self.client.hget(key, RUN_FIELD)
+            if not isinstance(diag, _Parted) or run is None:
+                raise ConfigError(f"{key}: a per-rank snapshot that this drain's diagnoser cannot read")
+
+            def fetch(rank: int) -> dict[str, Any] | None:
+                raw = self.client.hget(key, f"r{rank}")
+                return None if raw is None else _unpack(raw)  # type: ignore[arg-type]
+
+            diag.load_state_parts(_unpack(run), fetch)  # type: ignore[arg-type]
+        return diag, False
 
     # -- reading ---------------------------------------------------------------------------------------------
 
@@ -520,7 +556,7 @@ class Drainer:
             if extra is not None:
                 extra(pipe)
 
-        replies = self._transaction(token, ctx.diag, ops)
+        replies = self._transaction(token, ctx, ops)
         acked = sum(len(ids) for ids in unacked.values())
         result.committed += acked
         if trim:
@@ -560,10 +596,22 @@ class Drainer:
             done.set()
             thread.join()
 
-    def _transaction(self, token: str, diag: Diagnoser, ops: Callable[[Any], None]) -> list[Any]:
-        """Run ``SET state`` + ``ops`` in MULTI/EXEC if the lease is still ours; returns the replies of ``ops``."""
+    def _transaction(self, token: str, ctx: _Context, ops: Callable[[Any], None]) -> list[Any]:
+        """Save the snapshot + ``ops`` in MULTI/EXEC if the lease is still ours; returns the replies of ``ops``.
+
+        A parted diagnoser writes the run part and the parts of the ranks that changed since the last commit into
+        the snapshot hash (the other ranks' fields are still their current state); any other one ``SET``s its
+        whole state. A failed commit drops the context (its changed ranks are forgotten with it), so the next drain
+        starts from the last snapshot.
+        """
         lock = self._lock_key
-        state = msgpack.packb(diag.state_dict(), use_bin_type=True)
+        diag = ctx.diag
+        with self._lease_kept(token):  # packing many ranks may take longer than a lease (not in WATCH: PEXPIRE)
+            if isinstance(diag, _Parted):
+                run, parts = diag.state_parts(changed_only=not ctx.rewrite_state)
+                fields = {RUN_FIELD: _pack(run), **{f"r{rank}": _pack(part) for rank, part in parts.items()}}
+            else:
+                state = _pack(diag.state_dict())
         with self.client.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(lock)
@@ -571,13 +619,29 @@ class Drainer:
                 if current != token.encode():
                     raise _LeaseLost
                 pipe.multi()
-                pipe.set(self._state_key, state)
+                lead = 1
+                if not isinstance(diag, _Parted):
+                    pipe.set(self._state_key, state)
+                else:
+                    if ctx.rewrite_state:
+                        pipe.delete(self._state_key)
+                        lead = 2
+                    pipe.hset(self._state_key, mapping=fields)
                 ops(pipe)
                 pipe.pexpire(lock, self.lease_ms)
                 replies: list[Any] = pipe.execute()
             except redis.WatchError:
                 raise _LeaseLost from None
-        return replies[1:-1]
+        ctx.rewrite_state = False
+        return replies[lead:-1]
+
+
+def _pack(state: Any) -> bytes:
+    return msgpack.packb(state, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def _unpack(raw: bytes) -> Any:
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
 
 
 def _id_key(entry_id: bytes | str) -> tuple[int, int]:
