@@ -198,6 +198,10 @@ class _Context:
     committed_at: float = field(default_factory=time.monotonic)
     extra: dict[str, Any] = field(default_factory=dict)
     """What a subclass keeps with the context (a shard's summary watermark)."""
+    ranks: list[int] | None = None
+    """Every rank of the run (sorted), as of the last read of the rank set (ranks are only ever added)."""
+    selected: list[int] = field(default_factory=list)
+    """The ranks of ``ranks`` this drain reads (:meth:`Drainer._select`)."""
     rewrite_state: bool = False
     """The next commit replaces the whole snapshot key (it held a snapshot of the former one-string format)."""
 
@@ -362,10 +366,11 @@ class Drainer:
             return DrainResult(status="drained")
         result = DrainResult(status="idle")
         deadline = time.monotonic() + self.max_seconds
+        ended = False
+        """Every rank had ended before the last batch was read (an emitter marks the end after its last XADD)."""
         while True:
             self._renew(token)
             ranks = self._ranks(ctx)
-            ended = self._all_ended(ranks)  # read before the batch: an emitter marks the end after its last XADD
             self._before_batch(ctx)
             with self._lease_kept(token):  # a slow batch (busy CPU, many signals) must not lose the lease midway
                 batch = self._read_batch(ranks, ctx)
@@ -375,6 +380,9 @@ class Drainer:
                         sink.emit(self.run_id, batch.findings, batch.entries)
             if not batch.acks:
                 result.findings += batch.findings
+                if not ended and self._all_ended(ranks):
+                    ended = True  # read after an empty batch only (a per-batch HMGET of every rank costs)
+                    continue  # one more read: it finds whatever was written before the last end
                 if ended and self._may_finish(token, ctx, result):
                     result.findings += self._finish(token, ctx, result)
                     result.status = "drained"
@@ -402,8 +410,14 @@ class Drainer:
                 or time.monotonic() - ctx.committed_at >= self.snapshot.every_s)
 
     def _ranks(self, ctx: _Context) -> list[int]:
-        members: Iterable[bytes] = self.client.smembers(keys.ranks(self.run_id))  # type: ignore[assignment]
-        ranks = self._select(sorted(int(m) for m in members))
+        """The ranks this drain reads; the rank set is re-read only when its size changed (``SCARD``: a run of
+        16,384 ranks would otherwise cost a 16,384-member reply per batch)."""
+        key = keys.ranks(self.run_id)
+        if ctx.ranks is None or int(self.client.scard(key)) != len(ctx.ranks):  # type: ignore[arg-type]
+            members: Iterable[bytes] = self.client.smembers(key)  # type: ignore[assignment]
+            ctx.ranks = sorted(int(m) for m in members)
+            ctx.selected = self._select(ctx.ranks)
+        ranks = ctx.selected
         for rank in ranks:
             if rank not in ctx.cursors:
                 self._create_group(rank)
