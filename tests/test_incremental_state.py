@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -15,10 +16,11 @@ import pytest
 from stability import keys
 from stability.detectors.base import Finding
 from stability.detectors.engine import RunDiagnoser
+from stability.errors import ConfigError
 from stability.records import StepRecord
 from stability.worker import drain as drain_module
-from stability.worker.drain import RUN_FIELD, Drainer
-from tests.test_worker import EVERY, RUN, record, xadd
+from stability.worker.drain import AT_FIELD, RUN_FIELD, Drainer, SnapshotPolicy
+from tests.test_worker import EVERY, RUN, record, snapshot_fields, xadd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from _records import RecordFactory
@@ -128,7 +130,7 @@ def _no_kept_contexts() -> Any:
 
 
 def fields(client: Any, run_id: str = RUN) -> set[str]:
-    return {k.decode() for k in client.hkeys(keys.state(run_id))}
+    return {k.decode() for k in client.hkeys(keys.state(run_id))} - {AT_FIELD}
 
 
 def test_a_drain_writes_the_changed_ranks_and_a_restart_reads_ranks_on_use(redis_client: Any) -> None:
@@ -174,8 +176,8 @@ def test_a_drain_writes_the_changed_ranks_and_a_restart_reads_ranks_on_use(redis
                     record(step, rank, run_id="straight")
                 xadd(redis_client, rec, run_id="straight")
     Drainer(redis_client, "straight", sinks=[], snapshot=EVERY).run()
-    straight = redis_client.hgetall(keys.state("straight"))
-    mine = redis_client.hgetall(keys.state(RUN))
+    straight = snapshot_fields(redis_client, "straight")
+    mine = snapshot_fields(redis_client, RUN)
     assert {k for k in straight} == {k for k in mine}
     for name in (b"r0", b"r1", b"r2"):
         assert straight[name] == mine[name], name
@@ -200,4 +202,50 @@ def test_a_snapshot_of_the_former_one_string_format_is_read_and_replaced(redis_c
         for rank in range(2):
             xadd(redis_client, record(step, rank, run_id="fresh"), run_id="fresh")
     Drainer(redis_client, "fresh", sinks=[], snapshot=EVERY).run()
-    assert redis_client.hgetall(keys.state("fresh")) == redis_client.hgetall(keys.state(RUN))
+    assert snapshot_fields(redis_client, "fresh") == snapshot_fields(redis_client, RUN)
+
+
+def pending_total(client: Any, ranks: int = 2, run_id: str = RUN) -> int:
+    return sum(int(client.xpending(keys.records(run_id, r), keys.GROUP)["pending"]) for r in range(ranks))
+
+
+def test_the_commit_cadence_survives_a_drain_moving_to_another_process(redis_client: Any) -> None:
+    hourly = SnapshotPolicy(every_s=3600)
+    for step in range(10):
+        for rank in range(2):
+            xadd(redis_client, record(step, rank))
+    Drainer(redis_client, RUN, sinks=[], snapshot=EVERY).run()
+    assert pending_total(redis_client) == 0 and redis_client.hexists(keys.state(RUN), AT_FIELD)
+
+    for step in range(10, 20):
+        xadd(redis_client, record(step, 0))
+    Drainer(redis_client, RUN, sinks=[], snapshot=hourly).run()
+    assert pending_total(redis_client) == 10  # not due: kept pending
+
+    # the run moves to another process, whose clock would start afresh: the snapshot says it is 2 h old
+    redis_client.hset(keys.state(RUN), AT_FIELD, repr(time.time() - 7200))
+    drain_module._CONTEXTS.clear()
+    xadd(redis_client, record(20, 0))
+    result = Drainer(redis_client, RUN, sinks=[], snapshot=hourly).run()
+    assert result.processed == 11 and result.committed == 10  # the re-read entries, at once (step 20 came after)
+
+
+def test_a_caught_up_drain_commits_after_idle_s(redis_client: Any) -> None:
+    for step in range(10):
+        xadd(redis_client, record(step, 0))
+    Drainer(redis_client, RUN, sinks=[], snapshot=SnapshotPolicy(every_s=3600)).run()
+    assert pending_total(redis_client, 1) == 10
+    xadd(redis_client, record(10, 0))
+    result = Drainer(redis_client, RUN, sinks=[], snapshot=SnapshotPolicy(every_s=3600, idle_s=0)).run()
+    assert result.committed == 11 and pending_total(redis_client, 1) == 0
+    with pytest.raises(ConfigError, match="idle_s"):
+        SnapshotPolicy(idle_s=-1)
+
+
+def test_worker_settings_carry_the_idle_commit() -> None:
+    from stability.worker.app import WorkerSettings
+
+    assert WorkerSettings.from_env({}).snapshot_idle_s == 1.0
+    assert WorkerSettings.from_env({"STABILITY_SNAPSHOT_IDLE_S": "0.25"}).snapshot_idle_s == 0.25
+    with pytest.raises(ConfigError, match="STABILITY_SNAPSHOT_IDLE_S"):
+        WorkerSettings.from_env({"STABILITY_SNAPSHOT_IDLE_S": "-1"})

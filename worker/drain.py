@@ -74,6 +74,10 @@ ERRORS_MAXLEN = 10_000
 
 RUN_FIELD = "_run"
 """Field of a per-rank snapshot hash holding the run part (the ranks are ``r<rank>``)."""
+AT_FIELD = "_at"
+"""Field of a per-rank snapshot hash: the wall time of the commit that wrote it (a drain that recovers from the
+snapshot keeps the commit cadence: otherwise a run whose drains alternate between processes, each replaying the
+entries since the snapshot on a fresh clock, might never commit)."""
 
 _EXTEND = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -128,12 +132,19 @@ class SnapshotPolicy:
     """Commit once this many entries were processed since the last commit."""
     trim_unarchived: bool = False
     """Trim acked entries even when no sink archived them (then Redis holds no copy of old records)."""
+    idle_s: float | None = None
+    """When a drain has caught up (its last read found nothing new), commit once this long has passed since the last
+    commit (None: only by ``every_s`` / ``every_records``). With several workers a run's (shard's) next drain often
+    runs in another process, which re-processes every entry since the last commit: a short idle commit keeps that
+    small, and with per-rank snapshots it costs only the ranks that changed."""
 
     def __post_init__(self) -> None:
         if self.every_s < 0:
             raise ConfigError(f"every_s must be >= 0, got {self.every_s}")
         if self.every_records < 1:
             raise ConfigError(f"every_records must be >= 1, got {self.every_records}")
+        if self.idle_s is not None and self.idle_s < 0:
+            raise ConfigError(f"idle_s must be >= 0 or None, got {self.idle_s}")
 
 
 class Diagnoser(Protocol):
@@ -306,8 +317,10 @@ class Drainer:
         mine = kept is not None and kept.factory is self._new_diagnoser
         if self._take_over(keys=[self._owner_key], args=[kept.token if mine and kept else "", fresh]) and kept:
             return kept
-        diag, legacy = self._load_diagnoser()
+        diag, legacy, saved_at = self._load_diagnoser()
         ctx = _Context(token=fresh, factory=self._new_diagnoser, diag=diag, rewrite_state=legacy)
+        if saved_at is not None:
+            ctx.committed_at = time.monotonic() - max(0.0, time.time() - saved_at)
         self._fresh_context(ctx)
         return ctx
 
@@ -386,7 +399,7 @@ class Drainer:
                 if ended and self._may_finish(token, ctx, result):
                     result.findings += self._finish(token, ctx, result)
                     result.status = "drained"
-                elif self._due(ctx):
+                elif self._due(ctx, idle=True):
                     self._commit(token, ctx, result)
                 return result
             for rank, ids in batch.acks.items():
@@ -403,11 +416,13 @@ class Drainer:
                 result.status = "timeout"
                 return result
 
-    def _due(self, ctx: _Context) -> bool:
+    def _due(self, ctx: _Context, *, idle: bool = False) -> bool:
         if not ctx.since_commit:
             return False
-        return (ctx.since_commit >= self.snapshot.every_records
-                or time.monotonic() - ctx.committed_at >= self.snapshot.every_s)
+        every_s = self.snapshot.every_s
+        if idle and self.snapshot.idle_s is not None:
+            every_s = min(every_s, self.snapshot.idle_s)
+        return ctx.since_commit >= self.snapshot.every_records or time.monotonic() - ctx.committed_at >= every_s
 
     def _ranks(self, ctx: _Context) -> list[int]:
         """The ranks this drain reads; the rank set is re-read only when its size changed (``SCARD``: a run of
@@ -431,8 +446,9 @@ class Drainer:
         flags = self.client.hmget(keys.meta(self.run_id), [f"ended:{r}" for r in ranks])
         return all(flags)  # type: ignore[arg-type]
 
-    def _load_diagnoser(self) -> tuple[Diagnoser, bool]:
-        """A diagnoser from the snapshot, and whether the snapshot is a whole state in one string.
+    def _load_diagnoser(self) -> tuple[Diagnoser, bool, float | None]:
+        """A diagnoser from the snapshot, whether the snapshot is a whole state in one string, and the wall time of
+        the commit that wrote it (when known).
 
         A parted diagnoser's snapshot is a hash (:data:`RUN_FIELD` and ``r<rank>`` per rank): only the run part is
         read here; each rank's field is read when the rank is first needed. A snapshot in one string (a diagnoser
@@ -443,9 +459,9 @@ class Drainer:
         kind = _text(self.client.type(key))  # type: ignore[arg-type]
         if kind == "string":
             diag.load_state_dict(_unpack(self.client.get(key)))  # type: ignore[arg-type]
-            return diag, True
+            return diag, True, None
         if kind == "hash":
-            run = self.client.hget(key, RUN_FIELD)
+            run, at = self.client.hmget(key, [RUN_FIELD, AT_FIELD])  # type: ignore[misc]
             if not isinstance(diag, _Parted) or run is None:
                 raise ConfigError(f"{key}: a per-rank snapshot that this drain's diagnoser cannot read")
 
@@ -453,8 +469,9 @@ class Drainer:
                 raw = self.client.hget(key, f"r{rank}")
                 return None if raw is None else _unpack(raw)  # type: ignore[arg-type]
 
-            diag.load_state_parts(_unpack(run), fetch)  # type: ignore[arg-type]
-        return diag, False
+            diag.load_state_parts(_unpack(run), fetch)
+            return diag, False, None if at is None else float(at)
+        return diag, False, None
 
     # -- reading ---------------------------------------------------------------------------------------------
 
@@ -623,7 +640,8 @@ class Drainer:
         with self._lease_kept(token):  # packing many ranks may take longer than a lease (not in WATCH: PEXPIRE)
             if isinstance(diag, _Parted):
                 run, parts = diag.state_parts(changed_only=not ctx.rewrite_state)
-                fields = {RUN_FIELD: _pack(run), **{f"r{rank}": _pack(part) for rank, part in parts.items()}}
+                fields = {RUN_FIELD: _pack(run), AT_FIELD: repr(time.time()),
+                          **{f"r{rank}": _pack(part) for rank, part in parts.items()}}
             else:
                 state = _pack(diag.state_dict())
         with self.client.pipeline(transaction=True) as pipe:

@@ -201,10 +201,15 @@ def drain(run_id: str) -> str:
     client().delete(trigger_key(run_id))
     result = Drainer(
         client(), run_id, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms, max_seconds=settings.drain_s,
-        snapshot=SnapshotPolicy(every_s=settings.snapshot_s, every_records=settings.snapshot_n),
+        snapshot=_snapshot_policy(),
     ).run()
     _log(run_id, result)
     return result.status
+
+
+def _snapshot_policy() -> SnapshotPolicy:
+    return SnapshotPolicy(every_s=settings.snapshot_s, every_records=settings.snapshot_n,
+                          idle_s=settings.snapshot_idle_s)
 
 
 def _log(name: str, result: DrainResult) -> None:
@@ -221,8 +226,7 @@ def drain_shard(run_id: str, shard: int, size: int) -> str:
     client().delete(keys.shard_trigger(run_id, shard))
     result = ShardDrainer(
         client(), run_id, shard, size, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms,
-        max_seconds=settings.drain_s, snapshot=SnapshotPolicy(every_s=settings.snapshot_s,
-                                                              every_records=settings.snapshot_n),
+        max_seconds=settings.drain_s, snapshot=_snapshot_policy(),
     ).run()
     _log(f"{run_id} shard {shard}", result)
     if result.processed:  # new summaries: the cross-rank stage now, not at the next sweep
@@ -236,7 +240,7 @@ def crossrank(run_id: str, size: int) -> str:
     client().delete(keys.shard_trigger(run_id, keys.CROSSRANK))
     result = CrossRankStage(
         client(), run_id, size, sinks=sinks(), lease_ms=settings.lease_ms, max_seconds=settings.drain_s,
-        snapshot=SnapshotPolicy(every_s=settings.snapshot_s, every_records=settings.snapshot_n),
+        snapshot=_snapshot_policy(),
     ).run()
     _log(f"{run_id} cross-rank", result)
     if result.processed:  # more steps decided: the shards release their held findings now, not at the next sweep
