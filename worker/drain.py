@@ -276,6 +276,7 @@ class Drainer:
         self._owner_key = owner_key(run_id)
         self._context_key = run_id
         """Key of this drain's continuation in ``_CONTEXTS`` (a shard of a run has its own)."""
+        self._stream_names = _stream_names(run_id)
 
     # -- lease -----------------------------------------------------------------------------------------------
 
@@ -443,7 +444,10 @@ class Drainer:
     def _all_ended(self, ranks: list[int]) -> bool:
         if not ranks:
             return False
-        flags = self.client.hmget(keys.meta(self.run_id), [f"ended:{r}" for r in ranks])
+        meta = keys.meta(self.run_id)
+        if not self.client.hexists(meta, f"ended:{ranks[0]}"):
+            return False  # the common case, in one field (a shard of 1,024 ranks: not 1,024)
+        flags = self.client.hmget(meta, [f"ended:{r}" for r in ranks])
         return all(flags)  # type: ignore[arg-type]
 
     def _load_diagnoser(self) -> tuple[Diagnoser, bool, float | None]:
@@ -498,12 +502,17 @@ class Drainer:
     def _read(self, positions: dict[int, str]) -> dict[int, list[tuple[bytes, dict[bytes, bytes]]]]:
         if not positions:
             return {}
-        streams = {keys.records(self.run_id, r): pos for r, pos in positions.items()}
+        names = self._stream_names
+        for rank in positions:
+            if rank not in names:
+                names[rank] = keys.records(self.run_id, rank).encode()
+        # stream names as bytes, built once: a shard of 1,024 ranks reads 1,024 streams per batch
+        streams = {names[r]: pos for r, pos in positions.items()}
         reply = self.client.xreadgroup(keys.GROUP, CONSUMER, streams, count=self.batch)  # type: ignore[arg-type]
-        by_stream = {_text(name): entries for name, entries in (reply or [])}  # type: ignore[union-attr]
+        by_stream = dict(reply or [])  # type: ignore[arg-type]
         out = {}
         for rank in positions:
-            entries = by_stream.get(keys.records(self.run_id, rank))
+            entries = by_stream.get(names[rank])
             if entries:
                 out[rank] = entries
         return out
@@ -666,6 +675,19 @@ class Drainer:
                 raise _LeaseLost from None
         ctx.rewrite_state = False
         return replies[lead:-1]
+
+
+_STREAM_NAMES: dict[str, dict[int, bytes]] = {}
+
+
+def _stream_names(run_id: str) -> dict[int, bytes]:
+    """Rank -> record stream name (bytes) of a run, kept per process."""
+    names = _STREAM_NAMES.get(run_id)
+    if names is None:
+        if len(_STREAM_NAMES) >= MAX_KEPT_CONTEXTS:
+            _STREAM_NAMES.clear()
+        names = _STREAM_NAMES[run_id] = {}
+    return names
 
 
 def _pack(state: Any) -> bytes:
