@@ -121,12 +121,13 @@ _OWN_QUEUE: list[str] = []
 """This worker's own queue (set when the worker starts)."""
 
 
-def affinity_key(run_id: str, shard: int) -> str:
-    """The worker queue a shard's drains go to, while set (same hash slot as the shard's lease)."""
+def affinity_key(run_id: str, shard: int | str) -> str:
+    """The worker queue a shard's drains (or, for :data:`~stability.keys.CROSSRANK`, the cross-rank stage's runs) go
+    to, while set (same hash slot as the shard's lease)."""
     return f"{keys.shard_lock(run_id, shard)}:affinity"
 
 
-def _affine(run_id: str, shard: int, status: str) -> None:
+def _affine(run_id: str, shard: int | str, status: str) -> None:
     if not _OWN_QUEUE:
         return
     if status == "idle":
@@ -158,7 +159,8 @@ def sweep() -> int:
         for shard in shards_of(run_ranks(client(), run_id), size):
             sent += _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size,
                              affinity=affinity_key(run_id, shard))
-        sent += _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size)
+        sent += _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size,
+                         affinity=affinity_key(run_id, keys.CROSSRANK))
     check, quiet_sinks = quiet_check()
     check.sweep(client(), [raw.decode() for raw in sorted(members)], quiet_sinks)  # all ranks silent: a hang
     return sent
@@ -277,7 +279,8 @@ def drain_shard(run_id: str, shard: int, size: int) -> str:
     _log(f"{run_id} shard {shard}", result)
     _affine(run_id, shard, result.status)
     if result.processed:  # new summaries: the cross-rank stage now, not at the next sweep
-        _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size)
+        _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size,
+                 affinity=affinity_key(run_id, keys.CROSSRANK))
     return result.status
 
 
@@ -290,6 +293,7 @@ def crossrank(run_id: str, size: int) -> str:
         snapshot=_snapshot_policy(),
     ).run()
     _log(f"{run_id} cross-rank", result)
+    _affine(run_id, keys.CROSSRANK, result.status)
     if result.processed:  # more steps decided: the shards release their held findings now, not at the next sweep
         for shard in shards_of(run_ranks(client(), run_id), size):
             _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size,
