@@ -139,9 +139,10 @@ def workers(url: str, count: int, tmp: Path, args: argparse.Namespace) -> Iterat
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "STABILITY_"))}
     env.update(STABILITY_REDIS_URL=url, STABILITY_SWEEP_S=str(args.sweep_s), STABILITY_BATCH=str(args.batch),
                STABILITY_DRAIN_S=str(args.drain_s), STABILITY_SNAPSHOT_S=str(args.snapshot_s),
-               STABILITY_SNAPSHOT_IDLE_S=str(args.snapshot_idle_s),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    if args.snapshot_idle_s is not None:
+        env["STABILITY_SNAPSHOT_IDLE_S"] = str(args.snapshot_idle_s)
     procs: list[subprocess.Popen[bytes]] = []
     logs = [tmp / f"worker{i}.log" for i in range(count)]
     try:
@@ -476,8 +477,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=500, help="STABILITY_BATCH of the workers (default 500)")
     p.add_argument("--snapshot-s", type=float, default=5.0,
                    help="STABILITY_SNAPSHOT_S of the workers: seconds between detector snapshots (default 5)")
-    p.add_argument("--snapshot-idle-s", type=float, default=1.0,
-                   help="STABILITY_SNAPSHOT_IDLE_S of the workers: a caught-up drain commits after this (default 1)")
+    p.add_argument("--snapshot-idle-s", type=float, default=None,
+                   help="STABILITY_SNAPSHOT_IDLE_S of the workers: a caught-up drain commits after this (default: "
+                        "unset, i.e. --snapshot-s)")
     p.add_argument("--drain-s", type=float, default=20.0, help="STABILITY_DRAIN_S of the workers (default 20)")
     p.add_argument("--timeout", type=float, default=600.0, help="give up waiting for the drain after this (s)")
     p.add_argument("--no-baseline", action="store_true", help="backlog: skip the bare XREADGROUP loop")

@@ -245,7 +245,7 @@ def test_a_caught_up_drain_commits_after_idle_s(redis_client: Any) -> None:
 def test_worker_settings_carry_the_idle_commit() -> None:
     from stability.worker.app import WorkerSettings
 
-    assert WorkerSettings.from_env({}).snapshot_idle_s == 1.0
+    assert WorkerSettings.from_env({}).snapshot_idle_s is None  # as STABILITY_SNAPSHOT_S
     assert WorkerSettings.from_env({"STABILITY_SNAPSHOT_IDLE_S": "0.25"}).snapshot_idle_s == 0.25
     with pytest.raises(ConfigError, match="STABILITY_SNAPSHOT_IDLE_S"):
         WorkerSettings.from_env({"STABILITY_SNAPSHOT_IDLE_S": "-1"})
