@@ -53,6 +53,7 @@ from stability.detectors.causes import remedy
 from stability.errors import ConfigError, RecordError
 from stability.records import StepRecord, decode
 from stability.runstate import RUNNING, read_status
+from stability.worker.shards import run_ranks
 from stability.worker.sinks import Sink
 
 __all__ = ["QuietCheck", "QuietConfig"]
@@ -161,8 +162,7 @@ class QuietCheck:
             return None
         floor_ms = self.config.floor_s * 1000.0
         now_ms = now * 1000.0
-        members: Any = client.smembers(keys.ranks(run_id))
-        ranks = sorted(int(r) for r in members)
+        ranks = run_ranks(client, run_id)
         last: list[_Last] = []
         for start in range(0, len(ranks), self.config.chunk):
             chunk = ranks[start:start + self.config.chunk]
