@@ -1,12 +1,14 @@
 """Post-mortem speed and memory on large sources (issue #11: 1M steps x 100 signals in < 30 s, < 2 GB).
 
-One command: ``python bench/bench_postmortem.py [--steps 20000 50000] [--signals 4 100] [--format csv megatron]``.
-For each size it writes a synthetic source (a CSV with ``step, loss, grad_norm, lr, loss_scale`` + per-module
-``grad_norm/h.K`` columns; or a Megatron-LM stdout log with the same global signals), then in a fresh subprocess
-measures: parse time, detector time (:func:`stability.postmortem.analyze`), and peak RSS. The baseline measured
-in the same run is a bare ``csv.reader`` / line-split pass over the same file; the ratios say how much slower the
-post-mortem is than reading the bytes. The 1M-step figure is extrapolated linearly from the largest size (both
-parse and detectors are O(steps)).
+One command: ``python bench/bench_postmortem.py [--steps 100000 1000000] [--signals 4 100] [--format csv megatron]
+[--exact]``. For each size it writes a synthetic source (a CSV with ``step, loss, grad_norm, lr, loss_scale`` +
+per-module ``grad_norm/h.K`` columns; or a Megatron-LM stdout log with the same global signals), then in a fresh
+subprocess measures what ``stability postmortem`` does: read (a CSV as columns, :mod:`stability.sources.columnar`;
+``--exact`` or a log: one record per row), detectors (:func:`stability.fast_postmortem.analyze_columns`, or
+:func:`stability.postmortem.analyze`), findings + HTML report, and the peak RSS. The baseline measured in the same
+run is a bare ``csv.reader`` / line-split pass over the same file; the ratios say how much slower the post-mortem
+is than reading the bytes. The 1M-step column is extrapolated linearly from the size measured (run ``--steps
+1000000`` to measure it directly).
 """
 
 from __future__ import annotations
@@ -49,18 +51,31 @@ def write_megatron(path: Path, steps: int, signals: int) -> None:
                       f"number of skipped iterations:   0 | number of nan iterations:   0 |\n")
 
 
-def measure(path: str) -> None:
-    """Child process: parse + analyse ``path``; print JSON timings and peak RSS."""
-    from stability.postmortem import analyze, load_source
+def measure(path: str, exact: bool) -> None:
+    """Child process: read + analyse + write the findings and report of ``path`` as ``stability postmortem`` does
+    (``exact``: the row-by-row reference path); print JSON timings and peak RSS."""
+    from stability import postmortem
+    from stability.fast_postmortem import analyze_columns
+    from stability.sources.columnar import read_columns
 
+    out = Path(path).with_suffix(".out")
     t0 = time.perf_counter()
-    log = load_source(path, loss_averaged=False)
-    t1 = time.perf_counter()
-    result = analyze(log.records, "bench", segments=log.segments, events=log.events, progress=False)
+    table = None if exact else read_columns(path, loss_averaged=False)
+    if table is None:
+        log = postmortem.load_source(path, loss_averaged=False)
+        t1 = time.perf_counter()
+        records = log.records
+        result = postmortem.analyze(records, "bench", segments=log.segments, events=log.events, progress=False)
+    else:
+        t1 = time.perf_counter()
+        result, records = analyze_columns(table, "bench", progress=False)
     t2 = time.perf_counter()
+    postmortem.write_outputs(result, records, json_out=f"{out}.json", html_out=f"{out}.html")
+    t3 = time.perf_counter()
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"parse_s": t1 - t0, "analyze_s": t2 - t1, "rss_mb": rss_mb, "records": len(log.records),
-                      "incidents": len(result.incidents)}))
+    print(json.dumps({"parse_s": t1 - t0, "analyze_s": t2 - t1, "report_s": t3 - t2, "rss_mb": rss_mb,
+                      "records": len(records), "incidents": len(result.incidents),
+                      "columnar": table is not None}))
 
 
 def baseline(path: Path, fmt: str) -> float:
@@ -83,14 +98,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[10_000, 40_000])
     parser.add_argument("--signals", type=int, nargs="+", default=[4, 100])
     parser.add_argument("--format", nargs="+", default=["csv", "megatron"], choices=["csv", "megatron"])
+    parser.add_argument("--exact", action="store_true", help="the row-by-row reference path (postmortem --exact)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        measure(args.child)
+        measure(args.child, args.exact)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    print(f"{'format':9} {'signals':>7} {'steps':>8} {'parse s':>8} {'detect s':>9} {'rss MB':>7} {'bare s':>7} "
-          f"{'x bare':>7} {'1M est s':>9}")
+    print(f"{'format':9} {'signals':>7} {'steps':>8} {'parse s':>8} {'detect s':>9} {'report s':>8} {'rss MB':>7} "
+          f"{'bare s':>7} {'x bare':>7} {'1M est s':>9}")
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in args.format:
             for signals in args.signals if fmt == "csv" else [12]:
@@ -98,12 +114,12 @@ def main() -> None:
                     path = Path(tmp) / f"bench-{signals}-{steps}.{'csv' if fmt == 'csv' else 'log'}"
                     (write_csv if fmt == "csv" else write_megatron)(path, steps, signals)
                     bare = baseline(path, fmt)
-                    child = subprocess.run([sys.executable, __file__, "--child", str(path)], env=env, check=True,
-                                           capture_output=True, text=True)
+                    command = [sys.executable, __file__, "--child", str(path), *(["--exact"] if args.exact else [])]
+                    child = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
                     data = json.loads(child.stdout.strip().splitlines()[-1])
-                    total = data["parse_s"] + data["analyze_s"]
+                    total = data["parse_s"] + data["analyze_s"] + data["report_s"]
                     print(f"{fmt:9} {signals:>7} {steps:>8} {data['parse_s']:>8.2f} {data['analyze_s']:>9.2f} "
-                          f"{data['rss_mb']:>7.0f} {bare:>7.2f} {total / bare:>7.1f} "
+                          f"{data['report_s']:>8.2f} {data['rss_mb']:>7.0f} {bare:>7.2f} {total / bare:>7.1f} "
                           f"{total * TARGET_STEPS / steps:>9.0f}", flush=True)
                     path.unlink()
 

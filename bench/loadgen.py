@@ -31,6 +31,7 @@ directory; ``--keep`` keeps that directory and prints where it is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -94,6 +95,10 @@ class Result:
     """The machine's 1-minute load average at the end (a busy machine stretches every wall-clock rate)."""
     shard_size: int = 0
     """Ranks per shard of each run (0: unsharded)."""
+    aof_peak: int = 0
+    """``--aof``: the largest size of the server's append-only files seen (sampled every 0.5 s)."""
+    aof_end: int = 0
+    """``--aof``: their size at the end."""
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -133,8 +138,11 @@ def workers(url: str, count: int, tmp: Path, args: argparse.Namespace) -> Iterat
     """``count`` real worker processes (the first with the beat), ready when this yields; killed on exit."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "STABILITY_"))}
     env.update(STABILITY_REDIS_URL=url, STABILITY_SWEEP_S=str(args.sweep_s), STABILITY_BATCH=str(args.batch),
-               STABILITY_DRAIN_S=str(args.drain_s), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled",
+               STABILITY_DRAIN_S=str(args.drain_s), STABILITY_SNAPSHOT_S=str(args.snapshot_s),
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    if args.snapshot_idle_s is not None:
+        env["STABILITY_SNAPSHOT_IDLE_S"] = str(args.snapshot_idle_s)
     procs: list[subprocess.Popen[bytes]] = []
     logs = [tmp / f"worker{i}.log" for i in range(count)]
     try:
@@ -417,6 +425,12 @@ def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespa
             time.sleep(0.25)
         result.seconds = time.monotonic() - t0
         result.worker_cpu_s = cpu_seconds(pids) - cpu
+        # a held NaN finding of a sharded run waits for the cross-rank stage, which may still be behind when every
+        # record is acked: give the findings up to a minute more (their latency is measured from their own ids)
+        findings_deadline = min(drain_deadline, time.monotonic() + 60)
+        while (findings_by_kind(client, runs)[0].get("nan", 0) < len(writer.injected)
+               and time.monotonic() < findings_deadline):
+            time.sleep(0.5)
         stop.set()
         sampler.join()
         memory(client, result)
@@ -457,8 +471,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-size", type=int, default=0,
                    help="ranks per shard: each run is a sharded run drained by all workers (default 0: unsharded)")
     p.add_argument("--archive", action="store_true", help="archive to Parquet (run_dir in the run's metadata)")
+    p.add_argument("--aof", action="store_true",
+                   help="the server with the embedded configuration's append-only file (its peak size is reported)")
     p.add_argument("--sweep-s", type=float, default=0.5, help="STABILITY_SWEEP_S of the workers (default 0.5)")
     p.add_argument("--batch", type=int, default=500, help="STABILITY_BATCH of the workers (default 500)")
+    p.add_argument("--snapshot-s", type=float, default=5.0,
+                   help="STABILITY_SNAPSHOT_S of the workers: seconds between detector snapshots (default 5)")
+    p.add_argument("--snapshot-idle-s", type=float, default=None,
+                   help="STABILITY_SNAPSHOT_IDLE_S of the workers: a caught-up drain commits after this (default: "
+                        "unset, i.e. --snapshot-s)")
     p.add_argument("--drain-s", type=float, default=20.0, help="STABILITY_DRAIN_S of the workers (default 20)")
     p.add_argument("--timeout", type=float, default=600.0, help="give up waiting for the drain after this (s)")
     p.add_argument("--no-baseline", action="store_true", help="backlog: skip the bare XREADGROUP loop")
@@ -500,17 +521,48 @@ def print_summary(out: dict[str, Any]) -> None:
     print(f"  latency (nan)     : p50 {ms(out['latency_p50_s'])}, p99 {ms(out['latency_p99_s'])}, "
           f"max {ms(out['latency_max_s'])} ({out['latency_samples']} of {out['injected']} injected)")
     print(f"  redis used_memory : {out['used_memory'] / 2**20:,.1f} MiB (peak {out['used_memory_peak'] / 2**20:,.1f})")
+    if out["aof_peak"]:
+        print(f"  append-only file  : peak {out['aof_peak'] / 2**20:,.1f} MiB, "
+              f"{out['aof_end'] / 2**20:,.1f} MiB at the end")
     print(f"  findings          : {out['findings']}")
+
+
+class AofSizes:
+    """Samples the size of the append-only files under a redis directory every 0.5 s on a thread (the peak)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.peak = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def size(self) -> int:
+        return sum(p.stat().st_size for p in self.directory.rglob("*.aof*") if p.is_file())
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.5):
+            with contextlib.suppress(OSError):
+                self.peak = max(self.peak, self.size())
+
+    def __enter__(self) -> AofSizes:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     tmp = Path(tempfile.mkdtemp(prefix="stability-loadgen-"))
     try:
-        with RedisServer(tmp / "redis", port=free_port(), binary=args.redis_server, appendonly=False) as server:
+        with RedisServer(tmp / "redis", port=free_port(), binary=args.redis_server, appendonly=args.aof) as server, \
+                AofSizes(tmp / "redis") as aof:
             client = redis.Redis.from_url(server.url)
             client.config_set("maxmemory-policy", "noeviction")
             result = (backlog if args.mode == "backlog" else live)(client, server.url, tmp, args)
+            result.aof_peak, result.aof_end = aof.peak, aof.size()
             result.shard_size = args.shard_size
             result.redis_version = str(client.info("server")["redis_version"])
             result.load = os.getloadavg()[0]

@@ -25,6 +25,10 @@ import numpy as np
 __all__ = ["Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "pack_floats", "pack_window",
            "plural", "predict_line", "robust_line", "safe_exp", "times", "unpack_floats", "unpack_window"]
 
+_I8 = np.dtype("<i8")
+_EXACT_INT = 2.0**53
+"""Integers below this in magnitude are exact in float64 (window x values: steps)."""
+
 MAD_TO_SIGMA = 1.4826
 """Consistency constant: 1.4826 * MAD estimates sigma for Gaussian data."""
 
@@ -124,10 +128,15 @@ def pack_window(xs: np.ndarray | Sequence[float], ys: np.ndarray | Sequence[floa
     bytes. Exact: :func:`unpack_window` gives back the same float64 values."""
     x = np.asarray(xs, dtype=np.float64)
     out: dict[str, Any] = {"yb": pack_floats(ys)}
-    if len(x) and np.all(x == np.round(x)) and np.all(np.abs(x) < 2.0**53):
-        out["xd"] = zlib.compress(np.diff(x.astype("<i8"), prepend=np.int64(0)).astype("<i8").tobytes(), 1)
-    else:
-        out["xb"] = pack_floats(x)
+    # few numpy calls: a snapshot packs ~170 windows per rank at 200 signals (min/max are NaN-propagating, so a NaN
+    # or an infinity fails the bound; the bound makes the int64 cast exact for every integer-valued x)
+    if len(x) and -_EXACT_INT < x.min() and x.max() < _EXACT_INT:
+        steps = x.astype(_I8)
+        if (steps == x).all():
+            steps[1:] -= steps[:-1].copy()
+            out["xd"] = zlib.compress(steps.tobytes(), 1)
+            return out
+    out["xb"] = pack_floats(x)
     return out
 
 

@@ -49,6 +49,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,7 +80,7 @@ from stability.detectors.update import (
 from stability.detectors.vanish import GradVanishingDetector, VanishConfig
 from stability.records import StepRecord
 
-__all__ = ["DiagnoserConfig", "Incident", "RunDiagnoser", "Verdicts"]
+__all__ = ["DiagnoserConfig", "Incident", "RankFetch", "RunDiagnoser", "Verdicts"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,9 @@ gradient statistics, so an overflow feeds no baseline (:meth:`_RankSuite.step_vi
 
 MAX_KEPT_INCIDENTS = 16
 """Closed incidents per rank kept in :meth:`RunDiagnoser.state_dict` (all are kept in memory)."""
+
+RankFetch = Callable[[int], "dict[str, Any] | None"]
+"""Reads one rank's part of a parted state (:meth:`RunDiagnoser.state_parts`); None: nothing saved for it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,7 +215,7 @@ class Verdicts(Protocol):
 class _RankSuite:
     """Detectors, history and incident bookkeeping of one rank."""
 
-    def __init__(self, config: DiagnoserConfig) -> None:
+    def __init__(self, config: DiagnoserConfig, history: Callable[[], History] | None = None) -> None:
         self.detectors: list[Detector] = [
             ScheduleDetector(config.schedule),  # first: an LR change precedes everything it causes
             NanDetector(config.nan), SpikeDetector(config.spike), DivergenceDetector(config.divergence),
@@ -220,8 +224,8 @@ class _RankSuite:
             LayerJumpDetector(config.layer_grad), AdamLagDetector(config.adam_lag), PlateauDetector(config.plateau),
             StepTimeDetector(config.steptime), MemoryDetector(config.memory),  # performance: detectors/steptime.py
         ]
-        self.history = History(steps=config.history_steps, module_steps=config.module_history_steps,
-                               max_series=config.max_series)
+        self.history = history() if history is not None else History(
+            steps=config.history_steps, module_steps=config.module_history_steps, max_series=config.max_series)
         self.last_alert: dict[str, tuple[int, int]] = {}
         """kind -> (step, severity rank) of its last alert."""
         self.last_step = -1
@@ -266,13 +270,21 @@ class _RankSuite:
 class RunDiagnoser:
     """Detector suite for one run (all ranks); see the module docstring."""
 
-    def __init__(self, config: DiagnoserConfig | None = None, *, verdicts: Verdicts | None = None) -> None:
+    def __init__(self, config: DiagnoserConfig | None = None, *, verdicts: Verdicts | None = None,
+                 history: Callable[[], History] | None = None) -> None:
         self.config = config or DiagnoserConfig()
+        self._history = history
+        """Makes each rank's :class:`History` (None: the default); the columnar post-mortem's lazy one."""
         self._verdicts = verdicts
         """External cross-rank verdicts (a shard of a sharded run); None: compare the ranks here."""
         self._ranks: dict[int, _RankSuite] = {}
-        self.incidents: list[Incident] = []
-        """Every incident seen by this object, in order of creation."""
+        self._incidents: list[Incident] = []
+        """Every incident seen by this object (per rank in order of creation; :attr:`incidents`)."""
+        self._dirty: set[int] = set()
+        """Ranks whose state may have changed since the last :meth:`state_parts`."""
+        self._unloaded: set[int] = set()
+        """Ranks of a parted state not loaded yet (:meth:`load_state_parts`), read by ``_fetch`` on first use."""
+        self._fetch: RankFetch | None = None
         self._open: dict[int, Incident] = {}
         """Last incident of each rank (findings may still join it); performance incidents (a straggler, a hang)
         are apart, under key ``~rank`` (:func:`_open_key`)."""
@@ -284,11 +296,38 @@ class RunDiagnoser:
         self.resumes: list[tuple[int, int, int]] = []
         """(rank, last step before, first step after) of every detected resume (step going backwards)."""
 
+    @property
+    def incidents(self) -> list[Incident]:
+        """Every incident seen by this object (and those of a loaded state), per rank in order of creation."""
+        self._load_all()
+        return self._incidents
+
     def _suite(self, rank: int) -> _RankSuite:
+        """The rank's suite, created or loaded if need be, and marked changed (the caller may change it)."""
+        self._dirty.add(rank)
+        return self._ranks.get(rank) or self._loaded(rank)
+
+    def _loaded(self, rank: int) -> _RankSuite:
         suite = self._ranks.get(rank)
-        if suite is None:
-            suite = self._ranks[rank] = _RankSuite(self.config)
+        if suite is not None:
+            return suite
+        suite = self._ranks[rank] = _RankSuite(self.config, self._history)
+        if rank in self._unloaded:
+            self._unloaded.discard(rank)
+            part = self._fetch(rank) if self._fetch is not None else None
+            if part is not None:
+                suite.load_state_dict(part["suite"])
+                self._add_incidents([Incident.from_state(i) for i in part["incidents"]])
         return suite
+
+    def _load_all(self) -> None:
+        """Load every rank of a parted state not loaded yet (what iterates over all ranks needs them)."""
+        for rank in sorted(self._unloaded):
+            self._loaded(rank)
+
+    def _add_incidents(self, incidents: list[Incident]) -> None:
+        self._incidents += incidents
+        self._open.update((_open_key(i.rank, i.headline), i) for i in incidents)
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record; return the findings to alert on."""
@@ -331,6 +370,7 @@ class RunDiagnoser:
             return []
         cfg = self.config
         if self._verdicts is None:
+            self._load_all()
             ranks = self._ranks.values()
             complete = min(s.last_step for s in ranks)
             newest = max(s.last_step for s in ranks)
@@ -359,7 +399,7 @@ class RunDiagnoser:
         """``rank`` went back from ``before`` to ``after``: fresh detectors and history, a new incident next."""
         logger.info("rank %d resumed: step %d after step %d; re-baselining its detectors", rank, after, before)
         self.resumes.append((rank, before, after))
-        suite = self._ranks[rank] = _RankSuite(self.config)
+        suite = self._ranks[rank] = _RankSuite(self.config, self._history)
         self._open.pop(rank, None)
         self._open.pop(~rank, None)
         self._crossrank.reset(after)
@@ -367,6 +407,7 @@ class RunDiagnoser:
 
     def finish(self) -> list[Finding]:
         """Flush what the detectors hold back (unconfirmed spikes) at the end of the records."""
+        self._load_all()
         out = self._release(flush=True)
         for rank, suite in sorted(self._ranks.items()):
             found: list[Finding] = []
@@ -382,6 +423,8 @@ class RunDiagnoser:
 
     def _fuse(self, suite: _RankSuite, rank: int, found: list[Finding]) -> list[Finding]:
         alerts: list[Finding] = []
+        if found:
+            self._dirty.add(rank)
         for raw in found:
             if raw.evidence.get("closes"):
                 self._close(rank, raw)
@@ -428,7 +471,7 @@ class RunDiagnoser:
             incident = Incident(rank=rank, findings=[finding], alerted=finding.severity, last_step=finding.step,
                                 end=finding.end)
             self._open[_open_key(rank, finding)] = incident
-            self.incidents.append(incident)
+            self._incidents.append(incident)
         suite.last_alert[finding.kind] = (finding.step, finding.severity.rank)
         return True
 
@@ -443,7 +486,7 @@ class RunDiagnoser:
             return finding
         new = finding.causes[0]
         earliest: int | None = None
-        for earlier in reversed(self.incidents):
+        for earlier in reversed(self._incidents):  # only the rank's own, which are loaded
             if earlier.rank != rank:
                 continue
             if finding.onset - earlier.onset > self.config.rediagnose_steps:
@@ -474,7 +517,7 @@ class RunDiagnoser:
                                                        rollback_step=ranking.rollback_step)
 
     def _close(self, rank: int, closing: Finding) -> None:
-        for incident in reversed(self.incidents):
+        for incident in reversed(self._incidents):
             match = [f for f in incident.findings if f.kind == closing.kind and f.onset == closing.onset]
             if incident.rank == rank and match:
                 end = closing.end if closing.end is not None else closing.step
@@ -485,26 +528,65 @@ class RunDiagnoser:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (msgpack-able: the history is stored as float32 bytes); a few hundred KB per rank at most."""
-        kept: dict[int, list[Incident]] = {}
-        for incident in self.incidents:
-            kept.setdefault(incident.rank, []).append(incident)
+        self._load_all()
+        kept = self._kept_incidents(set(self._ranks))
+        run = self._run_state()
         return {
             "version": 1,
             "ranks": {str(r): s.state_dict() for r, s in self._ranks.items()},
+            "crossrank": run["crossrank"],
+            "fleet": run["fleet"],
+            "incidents": [i.to_state() for r in sorted(kept) for i in kept[r]],
+            "held": run["held"],
+            "held_since": run["held_since"],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (every rank counts as changed for the next :meth:`state_parts`)."""
+        self._load_run_state(state, None)
+        for rank, suite_state in state["ranks"].items():
+            self._suite(int(rank)).load_state_dict(suite_state)
+        self._add_incidents([Incident.from_state(i) for i in state["incidents"]])
+
+    def state_parts(self, *, changed_only: bool = True) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+        """The state split for an incremental snapshot: ``(run part, {rank: rank part})``, plain data.
+
+        The run part (cross-rank and fleet detectors, held findings, the list of ranks) is small; a rank part is the
+        rank's detectors, history and last incidents. With ``changed_only``, only the ranks that may have changed
+        since the last call are returned (a snapshot rewrites those and keeps the others); the two together are
+        :meth:`state_dict`'s content. :meth:`load_state_parts` restores it, loading each rank on first use.
+        """
+        ranks = set(self._dirty) if changed_only else set(self._ranks)
+        self._dirty = set()
+        kept = self._kept_incidents(ranks)
+        parts = {r: {"suite": self._ranks[r].state_dict(), "incidents": [i.to_state() for i in kept.get(r, [])]}
+                 for r in sorted(ranks)}
+        return {"version": 2, "all": sorted(set(self._ranks) | self._unloaded), **self._run_state()}, parts
+
+    def load_state_parts(self, run: dict[str, Any], fetch: RankFetch) -> None:
+        """Restore a run part of :meth:`state_parts`; each rank's part is read with ``fetch(rank)`` when the rank is
+        first needed (a record of it, a finding on it, or something that visits every rank)."""
+        self._load_run_state(run, fetch)
+        self._unloaded = {int(r) for r in run["all"]}
+
+    def _kept_incidents(self, ranks: set[int]) -> dict[int, list[Incident]]:
+        kept: dict[int, list[Incident]] = {}
+        for incident in self._incidents:
+            if incident.rank in ranks:
+                kept.setdefault(incident.rank, []).append(incident)
+        return {r: found[-MAX_KEPT_INCIDENTS:] for r, found in kept.items()}
+
+    def _run_state(self) -> dict[str, Any]:
+        return {
             "crossrank": self._crossrank.state_dict(),
             "fleet": {d.name: d.state_dict() for d in self._fleet},
-            "incidents": [i.to_state() for r in sorted(kept) for i in kept[r][-MAX_KEPT_INCIDENTS:]],
             "held": [[rank, f.to_dict()] for rank, f, _ in self._held],
             "held_since": [since for _, _, since in self._held],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self._ranks = {}
-        for rank, suite_state in state["ranks"].items():
-            self._suite(int(rank)).load_state_dict(suite_state)
-        self.incidents = [Incident.from_state(i) for i in state["incidents"]]
-        self._open = {_open_key(i.rank, i.headline): i for i in self.incidents}
+    def _load_run_state(self, state: dict[str, Any], fetch: RankFetch | None) -> None:
+        self._ranks, self._incidents, self._open = {}, [], {}
+        self._dirty, self._unloaded, self._fetch = set(), set(), fetch
         held = state.get("held", [])
         since = state.get("held_since") or [time.time()] * len(held)
         self._held = [(int(rank), Finding.from_dict(f), float(t)) for (rank, f), t in zip(held, since, strict=True)]

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from stability.detectors._modules import Schema, layout
 from stability.detectors.schedule import LrSchedule
-from stability.records import StepRecord, split_signal
+from stability.records import StepRecord
 
 __all__ = ["History", "LrTracker", "Ring", "TRACKED_QUANTITIES"]
 
@@ -28,35 +29,83 @@ TRACKED_QUANTITIES = frozenset(
 )
 """Per-module quantities kept for ranking."""
 
+_SPLITS: dict[Schema, tuple[list[str], np.ndarray, list[str], np.ndarray]] = {}
+
+
+def _split(schema: Schema) -> tuple[list[str], np.ndarray, list[str], np.ndarray]:
+    """A record layout's global names and positions, and its tracked per-module ones (cached per layout)."""
+    glob = [i for i, m in enumerate(schema.modules) if m is None]
+    mods = [i for i, (q, m) in enumerate(zip(schema.quantities, schema.modules, strict=True))
+            if m is not None and q in TRACKED_QUANTITIES]
+    if len(_SPLITS) >= 256:
+        _SPLITS.clear()
+    split = _SPLITS[schema] = ([schema.names[i] for i in glob], np.array(glob, dtype=np.intp),
+                               [schema.names[i] for i in mods], np.array(mods, dtype=np.intp))
+    return split
+
 
 class Ring:
-    """The last ``size`` records of a set of named float32 series, aligned on one step column."""
+    """The last ``size`` records of a set of named float32 series, aligned on one step column.
+
+    The series are the rows of one ``[series x size]`` matrix (``series`` maps each name to its row, a view), so a
+    record is pushed with two column stores whatever its number of signals; the rows a record's names go to are
+    worked out once per name list (:meth:`push_layout`).
+    """
 
     def __init__(self, size: int, max_series: int) -> None:
         self.size = size
         self.max_series = max_series
         self.steps = np.full(size, -1, dtype=np.int64)
         self.series: dict[str, np.ndarray] = {}
+        """Name -> its row of the matrix (a view: do not keep it across a push, which may move the matrix)."""
         self.count = 0
+        self._data = np.full((0, size), np.nan, dtype=np.float32)
+        self._plans: dict[int, tuple[list[str], np.ndarray, np.ndarray]] = {}
+        """id(name list) -> (the list, positions of the names that have a row, their rows)."""
         self._warned = False
 
     def push(self, step: int, values: dict[str, float]) -> None:
         """Append one record's values (series not named get NaN at this step)."""
+        names = list(values)
+        self.push_layout(step, names, np.fromiter(values.values(), dtype=np.float64, count=len(names)), cache=False)
+
+    def push_layout(self, step: int, names: list[str], values: np.ndarray, *, cache: bool = True) -> None:
+        """:meth:`push` of ``values[i]`` for ``names[i]``; with ``cache`` the rows of ``names`` are kept for the next
+        push of the same list object (the caller keeps it unchanged)."""
+        plan = self._plans.get(id(names)) if cache else None
+        if plan is None or plan[0] is not names:
+            plan = self._plan(names)
+            if cache:
+                if len(self._plans) >= 64:
+                    self._plans.clear()
+                self._plans[id(names)] = plan
+        _, positions, rows = plan
         slot = self.count % self.size
         self.steps[slot] = step
-        for array in self.series.values():
-            array[slot] = np.nan
-        for name, value in values.items():
-            if name not in self.series:
-                if len(self.series) >= self.max_series:
-                    if not self._warned:
-                        logger.warning("history keeps at most %d series; ignoring %s and later ones",
-                                       self.max_series, name)
-                        self._warned = True
-                    continue
-                self.series[name] = np.full(self.size, np.nan, dtype=np.float32)
-            self.series[name][slot] = value
+        data = self._data
+        data[:, slot] = np.nan
+        data[rows, slot] = values[positions]  # float64 -> float32: the same rounding as a scalar store
         self.count += 1
+
+    def _plan(self, names: list[str]) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """Rows of ``names`` (new series get new rows, in order, up to ``max_series``; later ones are ignored)."""
+        new = [n for n in dict.fromkeys(names) if n not in self.series]
+        room = self.max_series - len(self.series)
+        if len(new) > room:
+            if not self._warned:
+                logger.warning("history keeps at most %d series; ignoring %s and later ones", self.max_series,
+                               new[max(room, 0)])
+                self._warned = True
+            new = new[:max(room, 0)]
+        if new:
+            grown = np.full((len(self.series) + len(new), self.size), np.nan, dtype=np.float32)
+            grown[: len(self._data)] = self._data
+            self._data = grown
+            self.series = {name: grown[i] for i, name in enumerate([*self.series, *new])}
+            self._plans.clear()
+        index = {name: i for i, name in enumerate(self.series)}
+        kept = [(i, index[n]) for i, n in enumerate(names) if n in index]
+        return (names, np.array([i for i, _ in kept], dtype=np.intp), np.array([r for _, r in kept], dtype=np.intp))
 
     def ordered(self, name: str | None = None) -> np.ndarray:
         """Steps (``name=None``) or the series ``name``, oldest first."""
@@ -74,7 +123,13 @@ class Ring:
         """Restore :meth:`state_dict` output."""
         self.count = int(state["count"])
         self.steps = np.frombuffer(state["steps"], dtype=np.int64).copy()
-        self.series = {k: np.frombuffer(v, dtype=np.float32).copy() for k, v in state["series"].items()}
+        names = list(state["series"])
+        data = np.full((len(names), self.size), np.nan, dtype=np.float32)
+        for i, name in enumerate(names):
+            data[i] = np.frombuffer(state["series"][name], dtype=np.float32)
+        self._data = data
+        self.series = {name: data[i] for i, name in enumerate(names)}
+        self._plans.clear()
 
 
 class History:
@@ -92,17 +147,14 @@ class History:
         """Add one record."""
         if self.first_step is None:
             self.first_step = record.step
-        glob: dict[str, float] = {}
-        mods: dict[str, float] = {}
-        for name, value in record.signals.items():
-            quantity, module = split_signal(name)
-            if module is None:
-                glob[name] = value
-            elif quantity in TRACKED_QUANTITIES:
-                mods[name] = value
-        self.globals.push(record.step, glob)
+        schema, values = layout(record)
+        split = _SPLITS.get(schema)
+        if split is None:
+            split = _split(schema)
+        glob, glob_at, mods, mods_at = split
+        self.globals.push_layout(record.step, glob, values[glob_at])
         if mods:
-            self.modules.push(record.step, mods)
+            self.modules.push_layout(record.step, mods, values[mods_at])
         if record.batch is not None:
             self.batches[record.step] = record.batch
             if len(self.batches) > self.batch_keep:

@@ -125,19 +125,11 @@ class ProfileRequests:
         if now < self._next:
             return None
         self._next = now + POLL_S
-        url = self._resolve_url()
-        if url is None:
-            return None
         try:
-            if self._client is None:
-                from redis.backoff import NoBackoff
-                from redis.retry import Retry
-
-                from stability.redis_url import connect
-
-                self._client = connect(url, socket_timeout=0.5, socket_connect_timeout=0.5,
-                                       retry=Retry(NoBackoff(), 0))
-            raw = self._client.get(keys.profile(self._run_id))
+            client = self._connect()
+            if client is None:
+                return None
+            raw = client.get(keys.profile(self._run_id))
         except Exception as exc:
             if not self._failing:
                 logger.info("stability profiler: cannot read profile requests (%s: %s)", type(exc).__name__, exc)
@@ -159,6 +151,29 @@ class ProfileRequests:
         self._seen = rid
         return None if stale else {"id": rid, "steps": max(1, min(MAX_STEPS, steps)),
                                    "reason": str(request.get("reason", ""))}
+
+    def _connect(self) -> Any:
+        """The client (made on first use; short timeouts, no retries), or None while the URL is unknown."""
+        if self._client is None:
+            url = self._resolve_url()
+            if url is None:
+                return None
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+
+            from stability.redis_url import connect
+
+            self._client = connect(url, socket_timeout=0.5, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+        return self._client
+
+    def beat(self, payload: dict[str, Any], ttl_s: float) -> None:
+        """Write the paused run's heartbeat (``keys.alive``, expiring after ``ttl_s``); failures are ignored."""
+        try:
+            client = self._connect()
+            if client is not None:
+                client.set(keys.alive(self._run_id), json.dumps(payload), px=int(ttl_s * 1000))
+        except Exception as exc:
+            logger.debug("stability: heartbeat not written (%s: %s)", type(exc).__name__, exc)
 
     def close(self) -> None:
         if self._client is not None:

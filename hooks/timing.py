@@ -219,6 +219,9 @@ class StepTiming:
             out["device_step_time"] = events[0].elapsed_time(events[1]) / 1000.0
 
 
+PAUSE_S = 10.0
+"""A paused run (no step for this long) writes a heartbeat this often (see :meth:`Performance._beat`)."""
+
 _SAVING = ("torch/serialization.py", "torch/distributed/checkpoint/", "safetensors/", "transformers/modeling_utils.py")
 """Frames of these files on the training thread's stack mean a checkpoint save is in progress."""
 
@@ -329,6 +332,8 @@ class Performance:
         self.watchdog: Watchdog | None = None
         self.profiler: Any = None
         """The :class:`~stability.hooks.profiler.Profiler` (made at the first step end)."""
+        self._next_beat = 0.0
+        self._rank_id = 0
         self.hooked: list[int] = []
         """ids of the modules whose forward pre-hook feeds :meth:`StepTiming.forward`."""
 
@@ -346,7 +351,7 @@ class Performance:
     def _start(self, step: int) -> None:
         from stability.hooks.profiler import Profiler
 
-        rank = self._rank()
+        rank = self._rank_id = self._rank()
         self.profiler = Profiler(self.run_dir, rank)
         if self.timing.config.watchdog:
             self.watchdog = Watchdog(self.timing, self.run_dir, rank, self._on_hang, self._poll)
@@ -358,6 +363,23 @@ class Performance:
         request = self._requests.poll(now)
         if request is not None and self.profiler is not None:
             self.profiler.request(request["steps"], request["reason"])
+        self._beat(now)
+
+    def _beat(self, now: float) -> None:
+        """While no step ends for ``PAUSE_S``, say every ``PAUSE_S`` that this process lives and what it does.
+
+        Nothing is written while steps end (a normal run costs nothing). The sweep's quiet-run check
+        (:mod:`stability.worker.quiet`) leaves a run alone while the heartbeat is fresh: a live process's own
+        watchdog reports a real stall (with its stacks), and a long checkpoint save or evaluation is no hang."""
+        timing = self.timing
+        if timing.last_end is None or now - timing.last_end < PAUSE_S or now < self._next_beat:
+            return
+        self._next_beat = now + PAUSE_S
+        busy = _busy_with(timing.thread)
+        if busy is None and timing.last_active is not None and now - timing.last_active < PAUSE_S:
+            busy = "running forward passes between steps (evaluation?)"
+        self._requests.beat({"rank": self._rank_id, "step": timing.last_step, "state": busy or "no step",
+                             "t": time.time()}, ttl_s=3 * PAUSE_S)
 
     def close(self) -> None:
         """Stop the watchdog and any profile in progress."""

@@ -54,10 +54,12 @@ def _parser() -> argparse.ArgumentParser:
                     "and <stem>.report.html beside it; a Redis run <run id>.findings.json and <run id>.report.html "
                     "in the current directory) or into -o DIR.",
     )  # fmt: skip
-    pm.add_argument("source", help="run directory, CSV file (column 'step' plus signal columns), a training log "
-                    "(Megatron-LM/DeepSpeed/HF Trainer/fairseq stdout, JSON lines, trainer_state.json), a TensorBoard "
-                    "or W&B offline run directory, or redis://HOST:PORT/DB, rediss://..., unix:///path/redis.sock "
-                    "with --run ID")
+    pm.add_argument("source", nargs="+", help="run directory, CSV file (column 'step' plus signal columns), a "
+                    "training log (Megatron-LM/DeepSpeed/HF Trainer/fairseq stdout, JSON lines, trainer_state.json; "
+                    "lines may carry torchrun [default3]:/[rank3]:, srun --label '3: ' or pdsh 'host: ' prefixes), "
+                    "a directory of per-rank logs (torchrun --log-dir, slurm-JOB-TASK.out, log.NODE.TASK), several "
+                    "per-rank/per-node log files of one run, a TensorBoard or W&B offline run directory, or "
+                    "redis://HOST:PORT/DB, rediss://..., unix:///path/redis.sock with --run ID")
     pm.add_argument("-o", "--out-dir", type=Path, default=None, help="write findings and report into this directory")
     pm.add_argument("--json", dest="json_out", type=Path, default=None,
                     help="findings JSON path (overrides the default)")
@@ -74,10 +76,16 @@ def _parser() -> argparse.ArgumentParser:
     pm.add_argument("--system-log", dest="system_logs", type=Path, action="append", default=[], metavar="PATH",
                     help="a kernel log of the run's nodes (dmesg, journalctl -k): Xid, ECC, hung tasks, OOM kills "
                     "and NCCL timeouts go on the same timeline; or an nvidia-smi -q dump: uncorrectable ECC errors, "
-                    "pending page retirements / row remappings, hardware slowdowns (repeatable)")
+                    "pending page retirements / row remappings, hardware slowdowns (repeatable: one per node; the "
+                    "host is the syslog line's or the file name's, e.g. node-b.dmesg, and events are matched to the "
+                    "ranks that ran there)")
     pm.add_argument("--baseline", type=Path, default=None, metavar="OTHER_SOURCE",
                     help="another run (any source but Redis) to compare with, aligned on step: the first step and the "
                     "signals where the two runs part")
+    pm.add_argument("--exact", action="store_true",
+                    help="replay every column of a CSV through the detectors, one record per row (the reference "
+                    "path; by default a CSV is read as columns and quiet per-layer columns are screened out: the same "
+                    "findings, much faster on big files)")
 
     runs = sub.add_parser("runs", help="list the runs in a Redis (status, ranks, last step, incidents, run dir)",
                           description="List the runs in a Redis: status (running / finished / died at step N), "
@@ -177,20 +185,27 @@ def _postmortem(args: argparse.Namespace) -> int:
     from stability import postmortem, report
     from stability.redis_source import is_redis_url
 
-    if is_redis_url(args.source):
+    sources: list[str] = args.source
+    if len(sources) > 1 and any(is_redis_url(s) for s in sources):
+        from stability.errors import SourceError
+
+        raise SourceError("a Redis URL is a source of its own: give it alone")
+    if is_redis_url(sources[0]):
         if args.baseline is not None:
             from stability.errors import SourceError
 
             raise SourceError("--baseline: not supported with a Redis source (give a run directory or a log)")
-        result, json_out, html_out = postmortem.run_redis(args.source, args.run_id, out_dir=args.out_dir,
+        result, json_out, html_out = postmortem.run_redis(sources[0], args.run_id, out_dir=args.out_dir,
                                                           json_out=args.json_out, html_out=args.html_out)
     else:
         averaged = {"auto": None, "yes": True, "no": False}[args.loss_averaged]
-        source = Path(args.source)
+        source = Path(sources[0])
         json_default, html_default = postmortem.default_outputs(source, args.out_dir)
         json_out, html_out = args.json_out or json_default, args.html_out or html_default
-        result = postmortem.run(source, json_out=json_out, html_out=html_out, run_id=args.run_id,
-                                loss_averaged=averaged, system_logs=args.system_logs, baseline=args.baseline)
+        given = [Path(s) for s in sources] if len(sources) > 1 else source
+        result = postmortem.run(given, json_out=json_out, html_out=html_out, run_id=args.run_id,
+                                loss_averaged=averaged, system_logs=args.system_logs, baseline=args.baseline,
+                                exact=args.exact)
     print(report.render_text(result))
     print(f"findings: {json_out}")
     print(f"report:   {html_out}")

@@ -108,6 +108,12 @@ def status(run_id: str) -> str:
     return f"{_run(run_id)}:status"
 
 
+def alive(run_id: str) -> str:
+    """A paused run's heartbeat (JSON, short TTL): a rank's watchdog saw no step for a while but its process lives
+    (saving a checkpoint, evaluating, or stalled: the watchdog reports that itself). Read by the quiet-run check."""
+    return f"{_run(run_id)}:alive"
+
+
 def quiet(run_id: str) -> str:
     """The silence episode (newest entry id) already reported as a hang by the sweep's quiet-run check."""
     return f"{_run(run_id)}:quiet"

@@ -43,7 +43,6 @@ import logging
 import math
 import re
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,6 +52,7 @@ from stability.console import display_remedy
 from stability.detectors.base import Finding
 from stability.detectors.causes import remedy
 from stability.detectors.engine import DiagnoserConfig, Incident, RunDiagnoser
+from stability.detectors.history import History
 from stability.errors import RecordError, SourceError
 from stability.phases import Phase, run_phases
 from stability.records import StepRecord, decode
@@ -60,6 +60,7 @@ from stability.sources import LoadedLog, LogEvent, Segment, SegmentBuilder
 
 if TYPE_CHECKING:
     from stability.report.artifacts import Artifact
+    from stability.sources.columnar import ColumnarCsv
 
 __all__ = [
     "PostmortemResult",
@@ -491,7 +492,7 @@ def _event(incident: Incident) -> dict[str, Any]:
 def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConfig | None = None,
             meta: Mapping[str, str] | None = None, segments: Sequence[Segment] | None = None,
             events: Sequence[LogEvent] | None = None, progress: bool | None = None,
-            run_dir: str | Path | None = None) -> PostmortemResult:
+            run_dir: str | Path | None = None, history: Callable[[], History] | None = None) -> PostmortemResult:
     """Run the detector suite over ``records`` and return the incidents; ``meta`` goes to the report.
 
     ``run_dir`` (default: ``meta["run_dir"]`` when that directory exists here): where the profiler traces and hang
@@ -504,6 +505,7 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
     rollback is analysed too, and steps logged twice are counted once. Segments or ``events`` (a log source) also
     bring the log findings and the causes only logs evidence (:func:`stability.sources.analysis.apply_log_context`).
     ``progress``: a progress bar on stderr (default: when stderr is a terminal and the analysis is long).
+    ``history``: makes each rank's detector history (:class:`RunDiagnoser`'s; the columnar path's lazy one).
     """
     if segments is None and len({(r.rank, r.step) for r in records}) < len(records):
         # a (rank, step) given twice: records of a resumed run in log order (e.g. load_csv's), split as a CSV is
@@ -512,7 +514,7 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
             builder.add(record)
         records, found = builder.finish()
         segments = found if len(found) > 1 else None
-    diagnoser = RunDiagnoser(config)
+    diagnoser = RunDiagnoser(config, history=history)
     alerts: list[Finding] = []
     chunks = [records[s.start:s.stop] for s in segments] if segments else [records]
     owner: dict[int, int] = {}
@@ -562,8 +564,26 @@ def _phases(records: Sequence[StepRecord], segments: Sequence[Segment]) -> tuple
         return ()
 
 
-PROGRESS_MIN_RECORDS = 50_000
-"""Records above which :func:`analyze` shows a progress bar (about a second of detector time)."""
+PROGRESS_MIN_RECORDS = 5_000
+"""Records above which :func:`analyze` shows a progress bar (about a second of detector time: ~170 us a record
+for a one-rank log, docs/benchmarks.md)."""
+READ_STATUS_BYTES = 20 << 20
+"""A CSV above this size shows a "reading" status on a terminal while it is read as columns (~1 s)."""
+STATUS_MIN_RECORDS = 50_000
+"""Records above which the steps around the detectors (screen, report) show a status line on a terminal."""
+
+
+@contextlib.contextmanager
+def status(text: str, enabled: bool = True) -> Iterator[None]:
+    """A transient ``rich`` status line (spinner + ``text``) on stderr while the block runs, only when stderr is a
+    terminal and ``enabled``."""
+    if not (enabled and sys.stderr.isatty()):
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(text):
+        yield
 
 
 @contextlib.contextmanager
@@ -651,17 +671,23 @@ def run_redis(url: str, run_id: str | None = None, *, out_dir: str | Path | None
     return result, json_path, html_path
 
 
-def run(source: str | Path, json_out: str | Path | None = None, html_out: str | Path | None = None, *,
+def run(source: str | Path | Sequence[str | Path], json_out: str | Path | None = None,
+        html_out: str | Path | None = None, *,
         run_id: str | None = None, loss_averaged: bool | None = None,
         system_logs: Sequence[str | Path] = (), progress: bool | None = None,
-        baseline: str | Path | None = None) -> PostmortemResult:
+        baseline: str | Path | None = None, exact: bool = False) -> PostmortemResult:
     """Load ``source`` (run directory, Redis URL, CSV file or any log of :func:`load_source`), analyse it and write
     the requested reports.
+
+    Several paths: the per-rank / per-node logs of one run (:func:`load_source`).
 
     ``run_id`` overrides the run id (default: the records' own, or the file name); for a Redis URL it names the
     run to load (see :func:`run_redis`); ``loss_averaged`` is passed to :func:`load_csv`; ``system_logs``: kernel
     logs (dmesg, journal) of the run's nodes whose events go on the same timeline; ``baseline``: another run (any
     source but Redis) to compare with, step by step (:func:`stability.baseline.compare_runs`).
+    A CSV is read as columns and only its global signals and the per-module columns a screen cannot clear are
+    replayed through the detectors (:mod:`stability.fast_postmortem`; the same findings); ``exact`` forces one
+    record per row with every column (the reference path).
 
     Raises:
         SourceError: the source cannot be read or holds no records.
@@ -670,37 +696,27 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
 
     if isinstance(source, str) and is_redis_url(source):
         return run_redis(source, run_id, json_out=json_out, html_out=html_out)[0]
-    source = Path(source)
+    several = [Path(source)] if isinstance(source, (str, Path)) else [Path(p) for p in source]
+    source = several[0]
     damaged: list[str] = []
-    log: LoadedLog | None = None
     if not source.exists():
         raise SourceError(f"{source}: no such file or directory")
-    if _is_run_dir(source):
-        records = load_run_dir(source, damaged=damaged)
-    else:
-        log = load_source(source, run_id=run_id, loss_averaged=loss_averaged)
-        records = log.records
+    records, log, table = _load(source, several, run_id=run_id, loss_averaged=loss_averaged, exact=exact,
+                                damaged=damaged)
     if system_logs:
-        from stability.sources import load_system_log
+        from stability.sources.ranks import add_system_logs
 
-        log = log or LoadedLog(format="run directory", records=records, segments=[])
-        dated = [r.wall_time for r in records if r.wall_time > 0]
-        year = time.gmtime(max(dated)).tm_year if dated else None  # syslog dates carry no year
-        for path in system_logs:
-            log.events.extend(load_system_log(path, year=year))
-    if not records and not (log and log.events):
+        log = add_system_logs(log or LoadedLog(format="run directory", records=records, segments=[]), system_logs)
+    if not records and not (log and log.events) and table is None:
         raise SourceError(f"{source}: no records")
-    meta = load_run_meta(source) if _is_run_dir(source) else {"source": str(source)}
-    if log is not None:
-        meta["format"] = log.format
-        meta.update({f"context.{k}": v for k, v in list(log.context.items())[:40]})
-        if log.notes:
-            meta["notes"] = "; ".join(log.notes)
-    if damaged:
-        meta["damaged_files"] = json.dumps(damaged)
+    meta = _meta(source, several, log, damaged)
     rid = run_id or (records[0].run_id if records else _run_id_from(source))
     run_dir = source if _is_run_dir(source) else None
-    if log is not None:
+    if table is not None and log is not None:
+        from stability.fast_postmortem import analyze_columns
+
+        result, records = analyze_columns(table, rid, meta=meta, events=log.events, progress=progress)
+    elif log is not None:
         result = analyze(records, rid, meta=meta, segments=log.segments, events=log.events, progress=progress,
                          run_dir=run_dir)
     else:
@@ -711,8 +727,60 @@ def run(source: str | Path, json_out: str | Path | None = None, html_out: str | 
         other = Path(baseline)
         base_records = load_run_dir(other) if _is_run_dir(other) else load_source(other).records
         result = replace(result, baseline=compare_runs(records, base_records, name=str(other)))
-    write_outputs(result, records, json_out=json_out, html_out=html_out)
+    with status("writing the findings and the report", len(records) >= STATUS_MIN_RECORDS):
+        write_outputs(result, records, json_out=json_out, html_out=html_out)
     return result
+
+
+def _log_meta(log: LoadedLog) -> dict[str, str]:
+    """What a log source adds to the report's metadata: format, start-up context, reading notes, rank hosts."""
+    meta = {"format": log.format, **{f"context.{k}": v for k, v in list(log.context.items())[:40]}}
+    if log.notes:
+        meta["notes"] = "; ".join(log.notes)
+    if log.hosts:
+        from stability.sources.ranks import describe_hosts
+
+        meta["hosts"] = describe_hosts(log.hosts)
+    return meta
+
+
+def _load(source: Path, several: Sequence[Path], *, run_id: str | None, loss_averaged: bool | None, exact: bool,
+          damaged: list[str]) -> tuple[list[StepRecord], LoadedLog | None, ColumnarCsv | None]:
+    """The records of ``source`` (none yet for a CSV read as columns), its log and its columns; ``several``: all the
+    files given (per-rank logs read as one run)."""
+    if len(several) > 1:
+        log = load_source(several, run_id=run_id, loss_averaged=loss_averaged)
+        return log.records, log, None
+    if _is_run_dir(source):
+        return load_run_dir(source, damaged=damaged), None, None
+    table = None if exact else _read_columns(source, loss_averaged)
+    if table is not None:
+        return [], LoadedLog(format="csv", records=[], segments=table.segments), table
+    log = load_source(source, run_id=run_id, loss_averaged=loss_averaged)
+    return log.records, log, None
+
+
+def _meta(source: Path, several: Sequence[Path], log: LoadedLog | None, damaged: list[str]) -> dict[str, str]:
+    meta = load_run_meta(source) if _is_run_dir(source) else {"source": ", ".join(map(str, several))}
+    if log is not None:
+        meta.update(_log_meta(log))
+    if damaged:
+        meta["damaged_files"] = json.dumps(damaged)
+    return meta
+
+
+def _read_columns(path: Path, loss_averaged: bool | None) -> ColumnarCsv | None:
+    """A CSV source as columns (:func:`stability.sources.columnar.read_columns`), or None: not a CSV, or one the
+    row-by-row reader must take."""
+    from stability.sources import sniff
+    from stability.sources.columnar import read_columns
+
+    fmt = sniff(path)
+    if not (fmt == "csv" or (fmt == "unknown" and path.suffix.lower() == ".csv")):
+        return None
+    size = path.stat().st_size
+    with status(f"reading {path.name} ({size >> 20} MB)", size >= READ_STATUS_BYTES):
+        return read_columns(path, loss_averaged=loss_averaged)
 
 
 def _is_run_dir(path: Path) -> bool:
@@ -720,15 +788,23 @@ def _is_run_dir(path: Path) -> bool:
     return path.is_dir() and any((path / name).exists() for name in ("archive", "spool", RUN_META_FILE))
 
 
-def load_source(path: str | Path, *, run_id: str | None = None, loss_averaged: bool | None = None) -> LoadedLog:
+def load_source(path: str | Path | Sequence[str | Path], *, run_id: str | None = None,
+                loss_averaged: bool | None = None) -> LoadedLog:
     """Read any non-Redis source but a stability run directory: a CSV (:func:`load_csv_log`) or a log
-    (:func:`stability.sources.load_log`: training logs, JSON lines, trainer_state.json, TensorBoard, W&B offline).
+    (:func:`stability.sources.load_log`: training logs, JSON lines, trainer_state.json, TensorBoard, W&B offline,
+    a directory of per-rank logs); several paths: the per-rank / per-node / per-task logs of one run
+    (:func:`stability.sources.load_logs`).
 
     Raises:
         SourceError: unreadable, or not a known format (one line naming what was expected).
     """
-    from stability.sources import EXPECTED, load_log, sniff
+    from stability.sources import EXPECTED, load_log, load_logs, sniff
 
+    if not isinstance(path, (str, Path)):
+        paths = [Path(p) for p in path]
+        if len(paths) != 1:
+            return _averaged(load_logs(paths, run_id=run_id), loss_averaged)
+        path = paths[0]
     path = Path(path)
     fmt = sniff(path)
     if fmt == "csv" or (fmt == "unknown" and path.suffix.lower() == ".csv"):
@@ -736,9 +812,12 @@ def load_source(path: str | Path, *, run_id: str | None = None, loss_averaged: b
     if fmt == "unknown":
         if path.is_dir():
             raise SourceError(f"{path}: not a run directory (no archive/, spool/ or run.json) and no TensorBoard, "
-                              f"W&B or HF Trainer files; expected {EXPECTED}")
+                              f"W&B, HF Trainer files or per-rank training logs; expected {EXPECTED}")
         raise SourceError(f"{path}: format not recognised; expected {EXPECTED}")
-    log = load_log(path, run_id=run_id, fmt=fmt)
+    return _averaged(load_log(path, run_id=run_id, fmt=fmt), loss_averaged)
+
+
+def _averaged(log: LoadedLog, loss_averaged: bool | None) -> LoadedLog:
     averaged = set(log.format.split("+")) & {"megatron", "hf-trainer", "hf-trainer-state", "fairseq"}
     if log.records and (loss_averaged or (loss_averaged is None and averaged)):
         log.records = _with_loss_steps(log.records)

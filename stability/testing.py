@@ -15,7 +15,8 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,8 +28,11 @@ from stability.records import StepRecord
 
 if TYPE_CHECKING:
     from stability.config import WatchConfig
+    from stability.detectors.base import Finding
+    from stability.detectors.engine import DiagnoserConfig, RunDiagnoser
 
-__all__ = ["ListSink", "TinyGPT", "TinyGPTConfig", "capture_loop", "torchrun"]
+__all__ = ["ListSink", "TinyGPT", "TinyGPTConfig", "capture_loop", "diagnose", "diagnose_split", "saving_checkpoint",
+           "torchrun"]
 
 
 class ListSink:
@@ -159,8 +163,9 @@ def capture_loop(config: WatchConfig, steps: int, before_step: Callable[[int, An
 
 
 def torchrun(script: Path | str, *args: str, nproc: int = 2, env: Mapping[str, str] | None = None,
-             timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run ``script args`` under ``python -m torch.distributed.run`` with ``nproc`` local processes on a free port.
+             timeout: float = 240, launcher: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    """Run ``script args`` under ``python -m torch.distributed.run`` with ``nproc`` local processes on a free port
+    (``launcher``: more torchrun options, e.g. ``("--log-dir", D, "--tee", "3")``).
 
     The environment is ``env`` (default: this process's) without the torchrun variables a parent job may have set,
     with ``OMP_NUM_THREADS=1`` unless given. Output is captured; the caller checks ``returncode``."""
@@ -170,5 +175,70 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2, env: Mapping[str, s
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     base.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), str(script), *args]
+           "--master_port", str(free_port()), *launcher, str(script), *args]
     return subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=timeout)
+
+
+@contextmanager
+def saving_checkpoint(timeout: float = 30.0) -> Iterator[int]:
+    """A thread stuck inside ``torch.save`` (its file's ``write`` waits) for the ``with`` block; yields its ident.
+
+    It is inside ``torch/serialization.py`` when the block starts (what the watchdog's checkpoint-save test looks
+    for); it finishes the save when the block ends."""
+    import io
+    import time
+
+    release = threading.Event()
+
+    class _SlowFile(io.BytesIO):
+        def write(self, data: Any) -> int:
+            release.wait(timeout)
+            return super().write(data)
+
+    saver = threading.Thread(target=torch.save, args=({"w": torch.zeros(4)}, _SlowFile()), daemon=True)
+    saver.start()
+    ident = saver.ident
+    assert ident is not None
+    deadline = time.monotonic() + timeout
+    while not _inside(ident, "torch/serialization.py"):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the saver thread did not reach torch.save")
+        time.sleep(0.01)
+    try:
+        yield ident
+    finally:
+        release.set()
+        saver.join(timeout)
+
+
+def _inside(ident: int, filename: str) -> bool:
+    frame = sys._current_frames().get(ident)
+    while frame is not None:
+        if filename in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def diagnose(records: list[StepRecord], config: DiagnoserConfig | None = None) -> tuple[list[Finding], RunDiagnoser]:
+    """Every finding of one :class:`~stability.detectors.engine.RunDiagnoser` fed ``records`` in order (with
+    ``finish()``), and the diagnoser."""
+    from stability.detectors.engine import RunDiagnoser
+
+    diag = RunDiagnoser(config)
+    found = [f for record in records for f in diag.update(record)]
+    return found + diag.finish(), diag
+
+
+def diagnose_split(records: list[StepRecord], split: int) -> list[Finding]:
+    """:func:`diagnose`'s findings when a worker stops after ``records[:split]`` and a fresh diagnoser resumes from
+    the first one's state sent through msgpack (as the worker's snapshots are)."""
+    import msgpack
+
+    from stability.detectors.engine import RunDiagnoser
+
+    first = RunDiagnoser()
+    found = [f for record in records[:split] for f in first.update(record)]
+    second = RunDiagnoser()
+    second.load_state_dict(msgpack.unpackb(msgpack.packb(first.state_dict(), use_bin_type=True), raw=False))
+    return found + [f for record in records[split:] for f in second.update(record)] + second.finish()

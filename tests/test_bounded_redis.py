@@ -22,7 +22,17 @@ from stability.postmortem import load_archive
 from stability.worker import drain as drain_module
 from stability.worker.drain import Drainer, SnapshotPolicy, owner_key
 from stability.worker.sinks import ArchiveSink, RedisFindingsSink, redis_meta
-from tests.test_worker import RUN, DieAt, Recorder, findings_in_stream, pending, record, saved_state, xadd
+from tests.test_worker import (
+    RUN,
+    DieAt,
+    Recorder,
+    findings_in_stream,
+    pending,
+    record,
+    saved_state,
+    snapshot_fields,
+    xadd,
+)
 
 EVERY = SnapshotPolicy(every_s=0)
 NEVER = SnapshotPolicy(every_s=1e9, every_records=10**9)
@@ -255,7 +265,7 @@ def test_a_killed_worker_process_loses_and_repeats_nothing(redis_server: RedisSe
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait()
-    assert saved_state(redis_client, "crashy") is not None  # committed at 40 entries
+    assert redis_client.hexists(keys.state("crashy"), "_run")  # committed at 40 entries
     assert int(redis_client.xpending(keys.records("crashy", 0), keys.GROUP)["pending"]) > 0
 
     wait_for(lambda: not redis_client.exists(keys.lock("crashy")), what="the dead worker's lease to expire")
@@ -268,7 +278,7 @@ def test_a_killed_worker_process_loses_and_repeats_nothing(redis_server: RedisSe
     assert any(f["kind"] == "nan" for f in clean)
     assert sorted(map(key, crashy)) == sorted(map(key, clean))
     assert len(set(map(key, crashy))) == len(crashy)
-    assert redis_client.get(keys.state("crashy")) == redis_client.get(keys.state("clean"))  # byte for byte
+    assert snapshot_fields(redis_client, "crashy") == snapshot_fields(redis_client, "clean")  # byte for byte
     records = load_archive(run_dir / "archive")
     assert sorted((r.rank, r.step) for r in records) == [(rank, s) for rank in (0, 1) for s in range(80)]
     assert len(redis_client.xrange(keys.records("crashy", 0))) == 1  # archived, acked, trimmed
@@ -298,16 +308,18 @@ def test_embedded_config_rewrites_the_append_only_file(tmp_path: Path) -> None:
             client.set("state", last)
             written += len(last)
         deadline = time.monotonic() + 120
-        while True:  # wait for the rewrites the growth rule started to finish
+        while True:
+            # wait for the growth rule to settle: no rewrite running or scheduled, and the file at most ~2x its size
+            # after the last rewrite (which, on redis 6.2, includes the writes that arrived during that rewrite).
+            # The server checks the rule in its cron (10 Hz): right after a rewrite ends the file may still be over
+            # the bound for a moment, before the next rewrite starts.
             info = client.info("persistence")
-            if not int(info["aof_rewrite_in_progress"]) and not int(info["aof_rewrite_scheduled"]):
+            base, current = int(info["aof_base_size"]), int(info["aof_current_size"])
+            idle = not int(info["aof_rewrite_in_progress"]) and not int(info["aof_rewrite_scheduled"])
+            if idle and 0 < base and current <= 2 * max(base, 1024 * 1024) + len(last):
                 break
-            assert time.monotonic() < deadline, f"AOF rewrite still running after 120 s: {info}"
+            assert time.monotonic() < deadline, f"the append-only file did not settle within 120 s: {info}"
             time.sleep(0.2)
-        # the growth rule holds: the file is at most ~2x its size after the last rewrite (which, on redis 6.2,
-        # includes the writes that arrived during that rewrite), and a rewrite did happen
-        base, current = int(info["aof_base_size"]), int(info["aof_current_size"])
-        assert 0 < base and current <= 2 * max(base, 1024 * 1024) + len(last), info
         assert aof_bytes() <= current + len(last)  # the files on disk are what the server accounts for
         assert client.get("state") == last
     with RedisServer(tmp_path / "redis", port=free_port()) as server:  # the rewritten file loads

@@ -23,7 +23,18 @@ TRAIN = """
 import stability.auto  # the one line
 from stability.demo import train
 train(steps={steps}, fault="bad-batch", fault_step={fault_step})
-print("training finished", flush=True)
+{wait}print("training finished", flush=True)
+"""
+
+# A real job trains for hours after an incident; this one ends ~80 steps after it. On a loaded machine the local
+# worker can still be catching up then, and the alert would arrive after the process has gone. The script keeps
+# running (as a longer job would) until its console reader has printed an error, or 180 s.
+WAIT_FOR_ALERT = """import time
+session = stability.auto.handle.session
+deadline = time.monotonic() + 180
+while session is not None and session.reporter is not None and not session.reporter.counts["error"] \\
+        and time.monotonic() < deadline:
+    time.sleep(0.2)
 """
 
 
@@ -33,9 +44,10 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _train(tmp_path: Path, steps: int, fault_step: int, **extra: str) -> subprocess.CompletedProcess[str]:
+def _train(tmp_path: Path, steps: int, fault_step: int, wait: bool = False,
+           **extra: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "train.py"
-    script.write_text(TRAIN.format(steps=steps, fault_step=fault_step))
+    script.write_text(TRAIN.format(steps=steps, fault_step=fault_step, wait=WAIT_FOR_ALERT if wait else ""))
     proc = subprocess.run([sys.executable, str(script)], env=_env(tmp_path, **extra), cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -47,7 +59,7 @@ def _train(tmp_path: Path, steps: int, fault_step: int, **extra: str) -> subproc
 @pytest.mark.slow
 def test_a_bad_batch_is_announced_in_the_training_terminal(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = _train(tmp_path, 200, 120, STABILITY_RUN_DIR=str(run_dir), STABILITY_RUN_ID="console-run")
+    proc = _train(tmp_path, 200, 120, wait=True, STABILITY_RUN_DIR=str(run_dir), STABILITY_RUN_ID="console-run")
     lines = [line for line in proc.stderr.splitlines() if line.startswith("stability:")]
     assert lines[0] == f"stability: run console-run -> {run_dir} · embedded Redis · local worker · W&B off", lines
     alerts = [line for line in lines if line.startswith("stability: ERROR loss_spike at step 12")]

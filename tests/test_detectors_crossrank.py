@@ -12,6 +12,7 @@ from stability.detectors import CrossRankDetector, RunDiagnoser, Severity
 from stability.detectors.base import Finding
 from stability.postmortem import analyze
 from stability.records import StepRecord
+from stability.testing import diagnose, diagnose_split
 
 N, RANKS = 400, 4
 
@@ -58,12 +59,6 @@ def shuffled(per_rank: dict[int, list[StepRecord]], seed: int) -> list[StepRecor
         out.append(per_rank[rank][cursors[rank]])
         cursors[rank] += 1
     return out
-
-
-def diagnose(recs: list[StepRecord]) -> tuple[list[Finding], RunDiagnoser]:
-    diag = RunDiagnoser()
-    alerts = [a for r in recs for a in diag.update(r)]
-    return alerts + diag.finish(), diag
 
 
 def disagreements(alerts: list[Finding]) -> list[tuple]:
@@ -113,12 +108,7 @@ def test_loss_needs_persistence_but_a_lone_nan_does_not() -> None:
 def test_state_round_trip_mid_stream(split: int) -> None:
     recs = shuffled(run_records(grad_fault=(250, 1.8), loss_fault=(300, 304, 1.8)), 3)
     full_alerts, _ = diagnose(recs)
-    first = RunDiagnoser()
-    alerts = [a for r in recs[:split] for a in first.update(r)]
-    second = RunDiagnoser()
-    second.load_state_dict(msgpack.unpackb(msgpack.packb(first.state_dict(), use_bin_type=True), raw=False))
-    alerts += [a for r in recs[split:] for a in second.update(r)] + second.finish()
-    assert alerts == full_alerts
+    assert diagnose_split(recs, split) == full_alerts
 
 
 def test_state_stays_bounded_when_a_rank_stops_reporting() -> None:

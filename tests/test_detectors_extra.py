@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import random
 
-import msgpack
 import numpy as np
 import pytest
 
-from stability.detectors import RunDiagnoser, Severity
+from stability.detectors import Severity
 from stability.detectors.base import Finding
 from stability.detectors.nan import NanDetector
 from stability.records import StepRecord
+from stability.testing import diagnose, diagnose_split
 
 N = 900
 
@@ -32,12 +32,6 @@ def to_records(series: dict[str, np.ndarray], rank: int = 0, host: str = "") -> 
     return [StepRecord(run_id="r", step=s, rank=rank, host=host,
                        signals={k: float(v[s]) for k, v in series.items() if not np.isnan(v[s]) or k == "loss"})
             for s in range(n)]
-
-
-def diagnose(recs: list[StepRecord]) -> tuple[list[Finding], RunDiagnoser]:
-    diag = RunDiagnoser()
-    alerts = [a for r in recs for a in diag.update(r)]
-    return alerts + diag.finish(), diag
 
 
 def found(alerts: list[Finding], kind: str) -> list[tuple[int, int, Severity]]:
@@ -230,12 +224,7 @@ def test_state_round_trip_with_the_new_detectors(split: int) -> None:
     s["grad_norm/h.2"][600:] *= 1e-3
     recs = to_records(s)
     full_alerts, _ = diagnose(recs)
-    first = RunDiagnoser()
-    alerts = [a for r in recs[:split] for a in first.update(r)]
-    second = RunDiagnoser()
-    second.load_state_dict(msgpack.unpackb(msgpack.packb(first.state_dict(), use_bin_type=True), raw=False))
-    alerts += [a for r in recs[split:] for a in second.update(r)] + second.finish()
-    assert alerts == full_alerts
+    assert diagnose_split(recs, split) == full_alerts
     assert {a.kind for a in full_alerts} >= {"attention_logit_growth", "loss_scale_collapse", "grad_vanishing"}
 
 

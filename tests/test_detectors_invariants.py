@@ -21,6 +21,7 @@ from stability.detectors import RunDiagnoser, Severity
 from stability.detectors.base import Finding, is_skipped_step, without_step_statistics
 from stability.postmortem import analyze
 from stability.records import StepRecord
+from stability.testing import diagnose
 
 SEEDS = (0, 1, 2)
 NOISES = (0.05, 0.15)
@@ -44,12 +45,6 @@ def to_records(s: dict[str, np.ndarray], rank: int = 0, **record: object) -> lis
                        signals={k: float(v[step]) for k, v in s.items() if not np.isnan(v[step]) or k == "loss"},
                        **record)  # type: ignore[arg-type]
             for step in range(n)]
-
-
-def diagnose(recs: list[StepRecord]) -> tuple[list[Finding], RunDiagnoser]:
-    diag = RunDiagnoser()
-    alerts = [a for r in recs for a in diag.update(r)]
-    return alerts + diag.finish(), diag
 
 
 def serious(alerts: list[Finding]) -> list[Finding]:

@@ -15,6 +15,7 @@ import pytest
 from stability import keys, runstate
 from stability.errors import ConfigError
 from stability.records import StepRecord, encode
+from stability.testing import saving_checkpoint
 from stability.worker.quiet import QuietCheck, QuietConfig
 from stability.worker.sinks import RedisFindingsSink
 
@@ -94,6 +95,50 @@ def test_a_stall_the_watchdog_reported_is_not_reported_again(redis_client, check
     assert _hangs(redis_client, "dog") == []
 
 
+def test_a_paused_job_whose_processes_live_is_no_hang_until_the_busy_limit(tmp_path, redis_server, redis_client,
+                                                                            check: QuietCheck) -> None:
+    """The training side's real heartbeat: while no step ends for 10 s the watchdog's poll writes ``keys.alive``
+    saying what the training thread does (here inside ``torch.save``); the quiet check leaves the run alone up to
+    ``busy_s``, then reports the hang with what the heartbeat said. No heartbeat written while steps end."""
+    import torch
+
+    from stability.hooks.timing import PAUSE_S, Performance, TimingConfig
+
+    run_id = "ckpt"
+    perf = Performance(run_id, tmp_path, redis_server.url, emit=lambda step, signals: None, rank=lambda: 2,
+                       config=TimingConfig(watchdog=False))
+    cpu = torch.device("cpu")
+    try:
+        for step in range(5):
+            perf.end_step(step, cpu, {})
+        assert perf.timing.last_end is not None
+        perf._poll(perf.timing.last_end + 1.0)
+        assert redis_client.get(keys.alive(run_id)) is None  # steps end: nothing written
+        with saving_checkpoint() as saver:
+            perf.timing.thread = saver  # the "training thread" is inside torch.save
+            perf._poll(perf.timing.last_end + PAUSE_S + 1)
+    finally:
+        perf.close()
+    beat = json.loads(redis_client.get(keys.alive(run_id)))
+    assert (beat["rank"], beat["step"]) == (2, 4) and beat["state"].startswith("saving a checkpoint"), beat
+    assert 0 < redis_client.pttl(keys.alive(run_id)) <= 3 * PAUSE_S * 1000
+
+    now = time.time()
+    _write(redis_client, run_id, 2, range(5), now - 65, 1.0)  # last record 61 s ago: past the 5 s floor
+    runstate.mark(redis_client, run_id, runstate.RUNNING)
+    sinks = [RedisFindingsSink(redis_client)]
+    assert check.sweep(redis_client, [run_id], sinks, now=now) == 0  # the processes live: not a hang yet
+    busy = QuietCheck(QuietConfig(floor_s=5.0, every_s=0.0, busy_s=60.0))
+    assert busy.sweep(redis_client, [run_id], sinks, now=now + 20) == 1  # 81 s > busy_s: reported after all
+    (hang,) = _hangs(redis_client, run_id)
+    assert "the processes still live (rank 2: saving a checkpoint" in hang["message"]
+    # a heartbeat older than 30 s by its own clock is no sign of life: the floor applies again
+    redis_client.set(keys.alive("stale"), json.dumps({"rank": 0, "step": 4, "state": "no step", "t": now - 40}))
+    _write(redis_client, "stale", 0, range(5), now - 65, 1.0)
+    runstate.mark(redis_client, "stale", runstate.RUNNING)
+    assert check.sweep(redis_client, ["stale"], sinks, now=now) == 1
+
+
 def test_quiet_check_settings() -> None:
     assert QuietConfig.from_env({}).floor_s == 30.0
     assert QuietConfig.from_env({"STABILITY_QUIET_S": "0.5"}) == QuietConfig(floor_s=0.5, every_s=0.125)
@@ -101,6 +146,9 @@ def test_quiet_check_settings() -> None:
         QuietConfig.from_env({"STABILITY_QUIET_S": "soon"})
     with pytest.raises(ConfigError, match="must be >= 0"):
         QuietConfig.from_env({"STABILITY_QUIET_S": "-1"})
+    assert QuietConfig.from_env({"STABILITY_QUIET_BUSY_S": "1800"}).busy_s == 1800.0
+    with pytest.raises(ConfigError, match="STABILITY_QUIET_BUSY_S must be a number"):
+        QuietConfig.from_env({"STABILITY_QUIET_BUSY_S": "long"})
     assert QuietCheck(QuietConfig(floor_s=0.0)).sweep(None, ["r"], []) == 0  # off: touches nothing
 
 

@@ -326,3 +326,40 @@ def test_two_workers_drain_a_sharded_run_and_survive_the_sweeping_worker_dying(
     assert sorted(rows) == [(r, s) for r in range(RANKS) for s in range(STEPS)]
     assert max(rows.values()) == 1, "a record was archived twice"
     assert (run_dir / "report.html").exists()
+
+
+def test_a_shard_drain_that_caught_up_routes_the_next_trigger_to_its_worker(
+    redis_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shard affinity (worker.tasks): the queue of the worker that last caught up with a shard gets its next trigger;
+    after a drain that ran out of time (or once the affinity expired) the shared queue does."""
+    from stability.worker import tasks
+
+    sent: list[tuple[tuple[Any, ...], str | None]] = []
+
+    class Task:
+        def delay(self, *args: Any) -> None:
+            sent.append((args, None))
+
+        def apply_async(self, args: tuple[Any, ...], queue: str) -> None:
+            sent.append((tuple(args), queue))
+
+    monkeypatch.setattr(tasks, "client", lambda: redis_client)
+    monkeypatch.setattr(tasks, "_OWN_QUEUE", ["stability.worker.w9@host"])
+    key = tasks.affinity_key("big", 3)
+
+    def trigger() -> None:
+        redis_client.delete(keys.shard_trigger("big", 3))
+        tasks._trigger(keys.shard_trigger("big", 3), Task(), "big", 3, 16, affinity=key)
+
+    trigger()
+    tasks._affine("big", 3, "idle")
+    assert 0 < redis_client.pttl(key) <= tasks.AFFINITY_MS
+    trigger()
+    tasks._affine("big", 3, "busy")  # another worker held the lease: nothing changes
+    trigger()
+    tasks._affine("big", 3, "timeout")
+    trigger()
+    assert sent == [(("big", 3, 16), None), (("big", 3, 16), "stability.worker.w9@host"),
+                    (("big", 3, 16), "stability.worker.w9@host"), (("big", 3, 16), None)]
+    assert "{big}" in key  # the shard lease's hash slot

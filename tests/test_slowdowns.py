@@ -27,7 +27,7 @@ from stability.detectors.steptime import PERF_KINDS
 from stability.evaluation.ddp import run_ranks
 from stability.hooks.capture import Capture
 from stability.records import StepRecord
-from stability.testing import ListSink, capture_loop
+from stability.testing import ListSink, capture_loop, saving_checkpoint
 from tests._slow_worker import SlowSpec, slow_worker
 
 
@@ -245,7 +245,6 @@ def test_profile_command_bad_input_is_a_clear_error(tmp_path: Path, capsys) -> N
 
 
 def test_watchdog_ignores_evaluation_and_checkpoint_saves_and_reports_a_stall(tmp_path: Path) -> None:
-    import io
     import threading
 
     from stability.hooks.timing import StepTiming, TimingConfig, Watchdog
@@ -264,20 +263,9 @@ def test_watchdog_ignores_evaluation_and_checkpoint_saves_and_reports_a_stall(tm
             timing.forward((torch.zeros(2),))  # an evaluation pass between steps: activity
         assert dog.check(timing.last_active + 0.4) is None
 
-        release = threading.Event()
-
-        class SlowFile(io.BytesIO):
-            def write(self, data):  # type: ignore[no-untyped-def, override]
-                release.wait(30)
-                return super().write(data)
-
-        saver = threading.Thread(target=torch.save, args=({"w": torch.zeros(4)}, SlowFile()))
-        saver.start()
-        timing.thread = saver.ident  # the "training thread" is inside torch.save
-        time.sleep(0.2)
-        dump = dog.check(time.monotonic() + 60)
-        release.set()
-        saver.join()
+        with saving_checkpoint() as saver:
+            timing.thread = saver  # the "training thread" is inside torch.save
+            dump = dog.check(time.monotonic() + 60)
         assert dump is not None and "saving a checkpoint" in dump.read_text() and hangs == []
 
         timing.end_step(5, cpu, {})  # the next step completed; now a real stall

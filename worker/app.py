@@ -29,6 +29,10 @@ variable                    default                     meaning
                                                         are not sharded unless their metadata says so)
 ``STABILITY_SWEEPER``       ``1``                       0: this worker never takes the sweep lease
 ==========================  ==========================  ===============================================
+
+``STABILITY_SNAPSHOT_IDLE_S`` (default: ``STABILITY_SNAPSHOT_S``): a drain that has caught up commits once this long
+has passed since the last commit (``SnapshotPolicy.idle_s``; shorter: less to re-process when the run's next drain
+runs in another process).
 """
 
 from __future__ import annotations
@@ -82,6 +86,9 @@ class WorkerSettings:
     snapshot_s: float = 5.0
     """Seconds between commits of a run (detector snapshot, acks, stream trim); see ``drain.SnapshotPolicy``."""
     snapshot_n: int = 5_000
+    snapshot_idle_s: float | None = None
+    """A drain that caught up commits once this long has passed since the last commit (``SnapshotPolicy.idle_s``;
+    None: ``snapshot_s``)."""
     """Entries processed after which a run is committed anyway."""
     shard_size: int = 0
     """Ranks per shard for runs this worker starts draining (0: no sharding; see ``worker.shards``)."""
@@ -103,6 +110,8 @@ class WorkerSettings:
             raise ConfigError(f"STABILITY_SNAPSHOT_S must be >= 0, got {self.snapshot_s}")
         if self.snapshot_n < 1:
             raise ConfigError(f"STABILITY_SNAPSHOT_N must be >= 1, got {self.snapshot_n}")
+        if self.snapshot_idle_s is not None and self.snapshot_idle_s < 0:
+            raise ConfigError(f"STABILITY_SNAPSHOT_IDLE_S must be >= 0, got {self.snapshot_idle_s}")
         if self.shard_size < 0:
             raise ConfigError(f"STABILITY_SHARD_SIZE must be >= 0, got {self.shard_size}")
 
@@ -155,6 +164,8 @@ class WorkerSettings:
             drain_s=get("STABILITY_DRAIN_S", float, 20.0),
             snapshot_s=get("STABILITY_SNAPSHOT_S", float, 5.0),
             snapshot_n=int(get("STABILITY_SNAPSHOT_N", int, 5_000)),
+            snapshot_idle_s=get("STABILITY_SNAPSHOT_IDLE_S", float, -1.0) if env.get("STABILITY_SNAPSHOT_IDLE_S")
+            else None,
             shard_size=int(get("STABILITY_SHARD_SIZE", int, 0)),
             sweeper=int(get("STABILITY_SWEEPER", int, 1)) != 0,
         )

@@ -81,7 +81,7 @@ class _State:
         return {"version": 1, "det": self.det.state_dict(), "pos": [[s, p] for s, p in self.pos.items()],
                 "buffer": self.buffer, "last": [[r, s] for r, s in self.last.items()],
                 "alerted": [[r, s] for r, s in self.alerted.items()], "verdict_keys": list(self.verdict_keys),
-                "done": self.done}
+                "done": self.done, "at": time.time()}
 
     def load(self, state: dict[str, Any]) -> None:
         self.det.load_state_dict(state["det"])
@@ -91,6 +91,8 @@ class _State:
         self.alerted = {int(r): int(s) for r, s in state["alerted"]}
         self.verdict_keys.extend(str(k) for k in state["verdict_keys"])
         self.done = bool(state["done"])
+        if "at" in state:  # keep the commit cadence of the snapshot (as the drainer does: its AT_FIELD)
+            self.committed_at = time.monotonic() - max(0.0, time.time() - float(state["at"]))
 
 
 _STATES: dict[str, _State] = {}

@@ -49,7 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgpack
 import redis
@@ -71,6 +71,13 @@ CONSUMER = "drainer"
 
 ERRORS_MAXLEN = 10_000
 """The errors stream keeps about this many rejected entries."""
+
+RUN_FIELD = "_run"
+"""Field of a per-rank snapshot hash holding the run part (the ranks are ``r<rank>``)."""
+AT_FIELD = "_at"
+"""Field of a per-rank snapshot hash: the wall time of the commit that wrote it (a drain that recovers from the
+snapshot keeps the commit cadence: otherwise a run whose drains alternate between processes, each replaying the
+entries since the snapshot on a fresh clock, might never commit)."""
 
 _EXTEND = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -125,12 +132,19 @@ class SnapshotPolicy:
     """Commit once this many entries were processed since the last commit."""
     trim_unarchived: bool = False
     """Trim acked entries even when no sink archived them (then Redis holds no copy of old records)."""
+    idle_s: float | None = None
+    """When a drain has caught up (its last read found nothing new), commit once this long has passed since the last
+    commit (None: only by ``every_s`` / ``every_records``). With several workers a run's (shard's) next drain often
+    runs in another process, which re-processes every entry since the last commit: a short idle commit keeps that
+    small, and with per-rank snapshots it costs only the ranks that changed."""
 
     def __post_init__(self) -> None:
         if self.every_s < 0:
             raise ConfigError(f"every_s must be >= 0, got {self.every_s}")
         if self.every_records < 1:
             raise ConfigError(f"every_records must be >= 1, got {self.every_records}")
+        if self.idle_s is not None and self.idle_s < 0:
+            raise ConfigError(f"idle_s must be >= 0 or None, got {self.idle_s}")
 
 
 class Diagnoser(Protocol):
@@ -140,6 +154,18 @@ class Diagnoser(Protocol):
     def finish(self) -> list[Finding]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class PartedDiagnoser(Diagnoser, Protocol):
+    """A diagnoser whose state is saved incrementally, one hash field per rank (``RunDiagnoser``; see
+    :meth:`~stability.detectors.engine.RunDiagnoser.state_parts`)."""
+
+    def state_parts(self, *, changed_only: bool = True) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]: ...
+    def load_state_parts(self, run: dict[str, Any], fetch: Callable[[int], dict[str, Any] | None]) -> None: ...
+
+
+_Parted = PartedDiagnoser
 
 
 @dataclass(slots=True, kw_only=True)
@@ -183,6 +209,12 @@ class _Context:
     committed_at: float = field(default_factory=time.monotonic)
     extra: dict[str, Any] = field(default_factory=dict)
     """What a subclass keeps with the context (a shard's summary watermark)."""
+    ranks: list[int] | None = None
+    """Every rank of the run (sorted), as of the last read of the rank set (ranks are only ever added)."""
+    selected: list[int] = field(default_factory=list)
+    """The ranks of ``ranks`` this drain reads (:meth:`Drainer._select`)."""
+    rewrite_state: bool = False
+    """The next commit replaces the whole snapshot key (it held a snapshot of the former one-string format)."""
 
 
 _CONTEXTS: dict[str, _Context] = {}
@@ -244,6 +276,7 @@ class Drainer:
         self._owner_key = owner_key(run_id)
         self._context_key = run_id
         """Key of this drain's continuation in ``_CONTEXTS`` (a shard of a run has its own)."""
+        self._stream_names = _stream_names(run_id)
 
     # -- lease -----------------------------------------------------------------------------------------------
 
@@ -285,7 +318,10 @@ class Drainer:
         mine = kept is not None and kept.factory is self._new_diagnoser
         if self._take_over(keys=[self._owner_key], args=[kept.token if mine and kept else "", fresh]) and kept:
             return kept
-        ctx = _Context(token=fresh, factory=self._new_diagnoser, diag=self._load_diagnoser())
+        diag, legacy, saved_at = self._load_diagnoser()
+        ctx = _Context(token=fresh, factory=self._new_diagnoser, diag=diag, rewrite_state=legacy)
+        if saved_at is not None:
+            ctx.committed_at = time.monotonic() - max(0.0, time.time() - saved_at)
         self._fresh_context(ctx)
         return ctx
 
@@ -344,10 +380,11 @@ class Drainer:
             return DrainResult(status="drained")
         result = DrainResult(status="idle")
         deadline = time.monotonic() + self.max_seconds
+        ended = False
+        """Every rank had ended before the last batch was read (an emitter marks the end after its last XADD)."""
         while True:
             self._renew(token)
             ranks = self._ranks(ctx)
-            ended = self._all_ended(ranks)  # read before the batch: an emitter marks the end after its last XADD
             self._before_batch(ctx)
             with self._lease_kept(token):  # a slow batch (busy CPU, many signals) must not lose the lease midway
                 batch = self._read_batch(ranks, ctx)
@@ -357,10 +394,13 @@ class Drainer:
                         sink.emit(self.run_id, batch.findings, batch.entries)
             if not batch.acks:
                 result.findings += batch.findings
+                if not ended and self._all_ended(ranks):
+                    ended = True  # read after an empty batch only (a per-batch HMGET of every rank costs)
+                    continue  # one more read: it finds whatever was written before the last end
                 if ended and self._may_finish(token, ctx, result):
                     result.findings += self._finish(token, ctx, result)
                     result.status = "drained"
-                elif self._due(ctx):
+                elif self._due(ctx, idle=True):
                     self._commit(token, ctx, result)
                 return result
             for rank, ids in batch.acks.items():
@@ -377,15 +417,23 @@ class Drainer:
                 result.status = "timeout"
                 return result
 
-    def _due(self, ctx: _Context) -> bool:
+    def _due(self, ctx: _Context, *, idle: bool = False) -> bool:
         if not ctx.since_commit:
             return False
-        return (ctx.since_commit >= self.snapshot.every_records
-                or time.monotonic() - ctx.committed_at >= self.snapshot.every_s)
+        every_s = self.snapshot.every_s
+        if idle and self.snapshot.idle_s is not None:
+            every_s = min(every_s, self.snapshot.idle_s)
+        return ctx.since_commit >= self.snapshot.every_records or time.monotonic() - ctx.committed_at >= every_s
 
     def _ranks(self, ctx: _Context) -> list[int]:
-        members: Iterable[bytes] = self.client.smembers(keys.ranks(self.run_id))  # type: ignore[assignment]
-        ranks = self._select(sorted(int(m) for m in members))
+        """The ranks this drain reads; the rank set is re-read only when its size changed (``SCARD``: a run of
+        16,384 ranks would otherwise cost a 16,384-member reply per batch)."""
+        key = keys.ranks(self.run_id)
+        if ctx.ranks is None or int(self.client.scard(key)) != len(ctx.ranks):  # type: ignore[arg-type]
+            members: Iterable[bytes] = self.client.smembers(key)  # type: ignore[assignment]
+            ctx.ranks = sorted(int(m) for m in members)
+            ctx.selected = self._select(ctx.ranks)
+        ranks = ctx.selected
         for rank in ranks:
             if rank not in ctx.cursors:
                 self._create_group(rank)
@@ -396,15 +444,38 @@ class Drainer:
     def _all_ended(self, ranks: list[int]) -> bool:
         if not ranks:
             return False
-        flags = self.client.hmget(keys.meta(self.run_id), [f"ended:{r}" for r in ranks])
+        meta = keys.meta(self.run_id)
+        if not self.client.hexists(meta, f"ended:{ranks[0]}"):
+            return False  # the common case, in one field (a shard of 1,024 ranks: not 1,024)
+        flags = self.client.hmget(meta, [f"ended:{r}" for r in ranks])
         return all(flags)  # type: ignore[arg-type]
 
-    def _load_diagnoser(self) -> Diagnoser:
+    def _load_diagnoser(self) -> tuple[Diagnoser, bool, float | None]:
+        """A diagnoser from the snapshot, whether the snapshot is a whole state in one string, and the wall time of
+        the commit that wrote it (when known).
+
+        A parted diagnoser's snapshot is a hash (:data:`RUN_FIELD` and ``r<rank>`` per rank): only the run part is
+        read here; each rank's field is read when the rank is first needed. A snapshot in one string (a diagnoser
+        without parts, or one saved before the parted format) is loaded whole.
+        """
         diag = self._new_diagnoser()
-        raw = self.client.get(self._state_key)
-        if raw is not None:
-            diag.load_state_dict(msgpack.unpackb(raw, raw=False, strict_map_key=False))  # type: ignore[arg-type]
-        return diag
+        key = self._state_key
+        kind = _text(self.client.type(key))  # type: ignore[arg-type]
+        if kind == "string":
+            diag.load_state_dict(_unpack(self.client.get(key)))  # type: ignore[arg-type]
+            return diag, True, None
+        if kind == "hash":
+            run, at = self.client.hmget(key, [RUN_FIELD, AT_FIELD])  # type: ignore[misc]
+            if not isinstance(diag, _Parted) or run is None:
+                raise ConfigError(f"{key}: a per-rank snapshot that this drain's diagnoser cannot read")
+
+            def fetch(rank: int) -> dict[str, Any] | None:
+                raw = self.client.hget(key, f"r{rank}")
+                return None if raw is None else _unpack(raw)  # type: ignore[arg-type]
+
+            diag.load_state_parts(_unpack(run), fetch)
+            return diag, False, None if at is None else float(at)
+        return diag, False, None
 
     # -- reading ---------------------------------------------------------------------------------------------
 
@@ -431,12 +502,17 @@ class Drainer:
     def _read(self, positions: dict[int, str]) -> dict[int, list[tuple[bytes, dict[bytes, bytes]]]]:
         if not positions:
             return {}
-        streams = {keys.records(self.run_id, r): pos for r, pos in positions.items()}
+        names = self._stream_names
+        for rank in positions:
+            if rank not in names:
+                names[rank] = keys.records(self.run_id, rank).encode()
+        # stream names as bytes, built once: a shard of 1,024 ranks reads 1,024 streams per batch
+        streams = {names[r]: pos for r, pos in positions.items()}
         reply = self.client.xreadgroup(keys.GROUP, CONSUMER, streams, count=self.batch)  # type: ignore[arg-type]
-        by_stream = {_text(name): entries for name, entries in (reply or [])}  # type: ignore[union-attr]
+        by_stream = dict(reply or [])  # type: ignore[arg-type]
         out = {}
         for rank in positions:
-            entries = by_stream.get(keys.records(self.run_id, rank))
+            entries = by_stream.get(names[rank])
             if entries:
                 out[rank] = entries
         return out
@@ -520,7 +596,7 @@ class Drainer:
             if extra is not None:
                 extra(pipe)
 
-        replies = self._transaction(token, ctx.diag, ops)
+        replies = self._transaction(token, ctx, ops)
         acked = sum(len(ids) for ids in unacked.values())
         result.committed += acked
         if trim:
@@ -560,10 +636,23 @@ class Drainer:
             done.set()
             thread.join()
 
-    def _transaction(self, token: str, diag: Diagnoser, ops: Callable[[Any], None]) -> list[Any]:
-        """Run ``SET state`` + ``ops`` in MULTI/EXEC if the lease is still ours; returns the replies of ``ops``."""
+    def _transaction(self, token: str, ctx: _Context, ops: Callable[[Any], None]) -> list[Any]:
+        """Save the snapshot + ``ops`` in MULTI/EXEC if the lease is still ours; returns the replies of ``ops``.
+
+        A parted diagnoser writes the run part and the parts of the ranks that changed since the last commit into
+        the snapshot hash (the other ranks' fields are still their current state); any other one ``SET``s its
+        whole state. A failed commit drops the context (its changed ranks are forgotten with it), so the next drain
+        starts from the last snapshot.
+        """
         lock = self._lock_key
-        state = msgpack.packb(diag.state_dict(), use_bin_type=True)
+        diag = ctx.diag
+        with self._lease_kept(token):  # packing many ranks may take longer than a lease (not in WATCH: PEXPIRE)
+            if isinstance(diag, _Parted):
+                run, parts = diag.state_parts(changed_only=not ctx.rewrite_state)
+                fields = {RUN_FIELD: _pack(run), AT_FIELD: repr(time.time()),
+                          **{f"r{rank}": _pack(part) for rank, part in parts.items()}}
+            else:
+                state = _pack(diag.state_dict())
         with self.client.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(lock)
@@ -571,13 +660,42 @@ class Drainer:
                 if current != token.encode():
                     raise _LeaseLost
                 pipe.multi()
-                pipe.set(self._state_key, state)
+                lead = 1
+                if not isinstance(diag, _Parted):
+                    pipe.set(self._state_key, state)
+                else:
+                    if ctx.rewrite_state:
+                        pipe.delete(self._state_key)
+                        lead = 2
+                    pipe.hset(self._state_key, mapping=fields)
                 ops(pipe)
                 pipe.pexpire(lock, self.lease_ms)
                 replies: list[Any] = pipe.execute()
             except redis.WatchError:
                 raise _LeaseLost from None
-        return replies[1:-1]
+        ctx.rewrite_state = False
+        return replies[lead:-1]
+
+
+_STREAM_NAMES: dict[str, dict[int, bytes]] = {}
+
+
+def _stream_names(run_id: str) -> dict[int, bytes]:
+    """Rank -> record stream name (bytes) of a run, kept per process."""
+    names = _STREAM_NAMES.get(run_id)
+    if names is None:
+        if len(_STREAM_NAMES) >= MAX_KEPT_CONTEXTS:
+            _STREAM_NAMES.clear()
+        names = _STREAM_NAMES[run_id] = {}
+    return names
+
+
+def _pack(state: Any) -> bytes:
+    return msgpack.packb(state, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def _unpack(raw: bytes) -> Any:
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
 
 
 def _id_key(entry_id: bytes | str) -> tuple[int, int]:

@@ -23,14 +23,19 @@ Once per silence episode: ``keys.quiet(run)`` holds the newest entry id of the e
 script that checks it first); a new record starts a new episode. A run whose newest record is the watchdog's
 ``hang_s`` record was reported already (with its stacks) and is skipped.
 
-Limit: a pause of the whole job longer than the floor (a very long checkpoint save or evaluation that writes no
-record) is reported; the watchdog on the training side tells checkpoint saves apart, this check cannot. Raise the
-floor (``STABILITY_QUIET_S``) for such jobs; ``STABILITY_QUIET_S=0`` turns the check off.
+Pauses of the whole job (a long checkpoint save or evaluation that writes no record): while no step ends, each
+rank's watchdog writes a heartbeat (``keys.alive``, every 10 s, 30 s TTL; nothing while steps end) saying its process
+lives and what its training thread is doing. While a heartbeat is fresh the run is left alone up to
+:attr:`QuietConfig.busy_s` (10 minutes) of silence: a live process's watchdog reports a real stall itself, with its
+stacks, and tells checkpoint saves apart. Past ``busy_s`` the hang is reported with what the heartbeat said (a
+checkpoint save to a dead filesystem is a hang too). Without a heartbeat (a frozen or unreachable process, or
+``STABILITY_WATCHDOG=0``) the floor applies. ``STABILITY_QUIET_S=0`` turns the check off.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import os
@@ -48,6 +53,7 @@ from stability.detectors.causes import remedy
 from stability.errors import ConfigError, RecordError
 from stability.records import StepRecord, decode
 from stability.runstate import RUNNING, read_status
+from stability.worker.shards import run_ranks
 from stability.worker.sinks import Sink
 
 __all__ = ["QuietCheck", "QuietConfig"]
@@ -71,6 +77,8 @@ class QuietConfig:
     """Never a hang below this much silence (records reach Redis in batches; short pauses of the loop). 0: off."""
     factor: float = 2.0
     """A hang is this many usual step times of silence (when more than the floor)."""
+    busy_s: float = 600.0
+    """Silence tolerated while a heartbeat says the processes live (a long checkpoint save or evaluation)."""
     every_s: float = 5.0
     """Each run is checked at most this often."""
     history: int = 16
@@ -79,22 +87,29 @@ class QuietConfig:
     """Ranks per pipelined ``XINFO STREAM`` round trip."""
 
     def __post_init__(self) -> None:
-        if not (self.floor_s >= 0 and self.factor > 0 and self.every_s >= 0 and self.history >= 2
+        if not (self.floor_s >= 0 and self.factor > 0 and self.busy_s >= 0 and self.every_s >= 0 and self.history >= 2
                 and self.chunk >= 1):
             raise ConfigError(f"invalid quiet-run check settings: {self}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> QuietConfig:
-        """``STABILITY_QUIET_S`` (the floor, default 30; 0 turns the check off); checks every min(5, floor / 4) s."""
+        """``STABILITY_QUIET_S`` (the floor, default 30; 0 turns the check off), ``STABILITY_QUIET_BUSY_S`` (silence
+        tolerated while the processes' heartbeat is fresh, default 600); checks every min(5, floor / 4) s."""
         env = os.environ if env is None else env
-        raw = env.get("STABILITY_QUIET_S") or "30"
-        try:
-            floor = float(raw)
-        except ValueError:
-            raise ConfigError(f"STABILITY_QUIET_S must be a number of seconds, got {raw!r}") from None
-        if not (math.isfinite(floor) and floor >= 0):
-            raise ConfigError(f"STABILITY_QUIET_S must be >= 0, got {raw!r}")
-        return cls(floor_s=floor, every_s=min(5.0, floor / 4))
+        floor = _seconds(env, "STABILITY_QUIET_S", 30.0)
+        busy = _seconds(env, "STABILITY_QUIET_BUSY_S", 600.0)
+        return cls(floor_s=floor, busy_s=busy, every_s=min(5.0, floor / 4))
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name) or str(default)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{name} must be >= 0, got {raw!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +162,7 @@ class QuietCheck:
             return None
         floor_ms = self.config.floor_s * 1000.0
         now_ms = now * 1000.0
-        members: Any = client.smembers(keys.ranks(run_id))
-        ranks = sorted(int(r) for r in members)
+        ranks = run_ranks(client, run_id)
         last: list[_Last] = []
         for start in range(0, len(ranks), self.config.chunk):
             chunk = ranks[start:start + self.config.chunk]
@@ -172,10 +186,13 @@ class QuietCheck:
         silent_s = now - newest.ms / 1000.0
         if silent_s < limit_s:
             return None
+        alive = _alive(client, run_id, now)
+        if alive is not None and silent_s < max(limit_s, self.config.busy_s):
+            return None  # the processes live: their watchdogs judge the pause
         episode = f"{newest.ms}-{newest.step}"
         if not client.eval(_MARK_EPISODE, 1, keys.quiet(run_id), episode, EPISODE_TTL_MS):
             return None
-        return _finding(last, silent_s, limit_s, usual)
+        return _finding(last, silent_s, limit_s, usual, alive)
 
     def _usual(self, client: Any, run_id: str, rank: int) -> float | None:
         """Usual step time of ``rank`` from the entries its stream still holds (None: nothing to go by)."""
@@ -195,6 +212,23 @@ class QuietCheck:
         if len(intervals) >= 2:
             estimates.append(statistics.median(intervals))
         return max(estimates) if estimates else None
+
+
+HEARTBEAT_STALE_S = 30.0
+"""A heartbeat older than this (by its own time) is no sign of life (its key also expires then)."""
+
+
+def _alive(client: Any, run_id: str, now: float) -> dict[str, Any] | None:
+    """The run's fresh heartbeat (see the module docstring), or None."""
+    raw: Any = client.get(keys.alive(run_id))
+    if raw is None:
+        return None
+    try:
+        beat = json.loads(raw)
+        fresh = now - float(beat["t"]) < HEARTBEAT_STALE_S
+    except (ValueError, KeyError, TypeError):
+        return None
+    return beat if fresh and isinstance(beat, dict) else None
 
 
 def _text(value: bytes | str) -> str:
@@ -228,7 +262,8 @@ def _last(rank: int, info: Any) -> _Last | None:
     return _Last(rank, int(ms), int(seq), record)
 
 
-def _finding(last: Sequence[_Last], silent_s: float, limit_s: float, usual: float | None) -> Finding:
+def _finding(last: Sequence[_Last], silent_s: float, limit_s: float, usual: float | None,
+             alive: dict[str, Any] | None = None) -> Finding:
     """The one finding of a quiet run: the rank that stopped first, every rank's last step."""
     first = min(last, key=lambda e: (e.ms, e.step, e.rank))
     host = first.record.host if first.record is not None else ""
@@ -239,6 +274,9 @@ def _finding(last: Sequence[_Last], silent_s: float, limit_s: float, usual: floa
     message = (f"all {len(last)} rank(s) silent while the run is still running: no record for {silent_s:.1f} s "
                f"({usual_text}, limit {limit_s:.3g} s); {where} stopped first, after step {first.step}; "
                f"last steps: {steps}{more}")
+    if alive is not None:
+        message += (f"; the processes still live (rank {alive.get('rank')}: {alive.get('state')}) but no step ended "
+                    f"in {silent_s:.0f} s")
     evidence = {"silent_s": silent_s, "limit_s": limit_s, "last_step": float(first.step), "ranks": float(len(last))}
     if usual:
         evidence["usual_s"] = usual

@@ -111,10 +111,25 @@ def shards_of(ranks: Iterable[int], size: int) -> list[int]:
     return sorted({r // size for r in ranks})
 
 
+_RUN_RANKS: dict[tuple[int, str], tuple[RedisClient, list[int]]] = {}
+
+
 def run_ranks(client: RedisClient, run_id: str) -> list[int]:
-    """Every rank that registered a record stream for the run."""
-    members: Iterable[bytes] = client.smembers(keys.ranks(run_id))  # type: ignore[assignment]
-    return sorted(int(m) for m in members)
+    """Every rank that registered a record stream for the run (sorted; do not modify the list).
+
+    Ranks are only ever added to the set, so the members are re-read only when ``SCARD`` changed: the sweep, the
+    cross-rank stage and the quiet check ask every period, and 16,384 members cost ~50 ms to parse each time.
+    """
+    key = keys.ranks(run_id)
+    cached = _RUN_RANKS.get((id(client), run_id))
+    if cached is not None and cached[0] is client and int(client.scard(key)) == len(cached[1]):  # type: ignore[arg-type]
+        return cached[1]
+    members: Iterable[bytes] = client.smembers(key)  # type: ignore[assignment]
+    ranks = sorted(int(m) for m in members)
+    if len(_RUN_RANKS) > 4096:
+        _RUN_RANKS.clear()
+    _RUN_RANKS[(id(client), run_id)] = (client, ranks)
+    return ranks
 
 
 def id_key(entry_id: bytes | str) -> tuple[int, int]:

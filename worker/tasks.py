@@ -86,16 +86,62 @@ def trigger_key(run_id: str) -> str:
     return keys.trigger(run_id)
 
 
-def _trigger(marker: str, task: Any, *args: Any) -> int:
-    """Send ``task(*args)`` unless one is queued (``marker``); 1 if sent."""
+def _trigger(marker: str, task: Any, *args: Any, affinity: str | None = None) -> int:
+    """Send ``task(*args)`` unless one is queued (``marker``); 1 if sent. With an ``affinity`` key that names a
+    worker's own queue (:func:`_affine`), the task goes to that queue."""
     if not client().set(marker, b"1", nx=True, px=settings.lease_ms):
         return 0
     try:
-        task.delay(*args)
+        queue = client().get(affinity) if affinity is not None else None
+        if queue:
+            task.apply_async(args, queue=queue.decode() if isinstance(queue, bytes) else str(queue))
+        else:
+            task.delay(*args)
     except Exception:
         client().delete(marker)
         raise
     return 1
+
+
+# -- shard affinity --------------------------------------------------------------------------------------------------
+#
+# A shard drain that runs in another process than the previous one recovers from the snapshot and re-processes every
+# entry since it; with the tasks on one shared queue, that happens on about every other drain of a multi-worker
+# deployment. So each worker also consumes a queue of its own, and a shard drain that ended caught up (``idle``)
+# names that queue for the shard (``affinity_key``, expiring after AFFINITY_MS): the next trigger goes there, to the
+# process that holds the shard's detectors in memory. A drain that ran out of time (``timeout``: the worker is
+# behind) names nothing, so the next trigger goes to the shared queue and any free worker takes the shard over; a
+# worker that dies stops renewing, so after AFFINITY_MS its shards go to the shared queue (a trigger already in its
+# queue is re-sent once the trigger marker expires, one lease later).
+
+AFFINITY_MS = 10_000
+"""How long a shard stays routed to the worker that last drained it without another caught-up drain there."""
+
+_OWN_QUEUE: list[str] = []
+"""This worker's own queue (set when the worker starts)."""
+
+
+def affinity_key(run_id: str, shard: int | str) -> str:
+    """The worker queue a shard's drains (or, for :data:`~stability.keys.CROSSRANK`, the cross-rank stage's runs) go
+    to, while set (same hash slot as the shard's lease)."""
+    return f"{keys.shard_lock(run_id, shard)}:affinity"
+
+
+def _affine(run_id: str, shard: int | str, status: str) -> None:
+    if not _OWN_QUEUE:
+        return
+    if status == "idle":
+        client().set(affinity_key(run_id, shard), _OWN_QUEUE[0], px=AFFINITY_MS)
+    elif status == "timeout":
+        client().delete(affinity_key(run_id, shard))
+
+
+@signals.celeryd_after_setup.connect  # type: ignore[untyped-decorator]
+def _own_queue(sender: str, instance: Any, **_: Any) -> None:
+    """Consume a queue of this worker's own too (shard affinity, above)."""
+    name = f"stability.worker.{sender}"
+    instance.app.amqp.queues.select_add(name)
+    _OWN_QUEUE[:] = [name]
 
 
 @app.task(name="stability.sweep")  # type: ignore[untyped-decorator]
@@ -111,8 +157,10 @@ def sweep() -> int:
             sent += _trigger(trigger_key(run_id), drain, run_id)
             continue
         for shard in shards_of(run_ranks(client(), run_id), size):
-            sent += _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size)
-        sent += _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size)
+            sent += _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size,
+                             affinity=affinity_key(run_id, shard))
+        sent += _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size,
+                         affinity=affinity_key(run_id, keys.CROSSRANK))
     check, quiet_sinks = quiet_check()
     check.sweep(client(), [raw.decode() for raw in sorted(members)], quiet_sinks)  # all ranks silent: a hang
     return sent
@@ -201,10 +249,15 @@ def drain(run_id: str) -> str:
     client().delete(trigger_key(run_id))
     result = Drainer(
         client(), run_id, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms, max_seconds=settings.drain_s,
-        snapshot=SnapshotPolicy(every_s=settings.snapshot_s, every_records=settings.snapshot_n),
+        snapshot=_snapshot_policy(),
     ).run()
     _log(run_id, result)
     return result.status
+
+
+def _snapshot_policy() -> SnapshotPolicy:
+    return SnapshotPolicy(every_s=settings.snapshot_s, every_records=settings.snapshot_n,
+                          idle_s=settings.snapshot_idle_s)
 
 
 def _log(name: str, result: DrainResult) -> None:
@@ -221,12 +274,13 @@ def drain_shard(run_id: str, shard: int, size: int) -> str:
     client().delete(keys.shard_trigger(run_id, shard))
     result = ShardDrainer(
         client(), run_id, shard, size, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms,
-        max_seconds=settings.drain_s, snapshot=SnapshotPolicy(every_s=settings.snapshot_s,
-                                                              every_records=settings.snapshot_n),
+        max_seconds=settings.drain_s, snapshot=_snapshot_policy(),
     ).run()
     _log(f"{run_id} shard {shard}", result)
+    _affine(run_id, shard, result.status)
     if result.processed:  # new summaries: the cross-rank stage now, not at the next sweep
-        _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size)
+        _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size,
+                 affinity=affinity_key(run_id, keys.CROSSRANK))
     return result.status
 
 
@@ -236,10 +290,12 @@ def crossrank(run_id: str, size: int) -> str:
     client().delete(keys.shard_trigger(run_id, keys.CROSSRANK))
     result = CrossRankStage(
         client(), run_id, size, sinks=sinks(), lease_ms=settings.lease_ms, max_seconds=settings.drain_s,
-        snapshot=SnapshotPolicy(every_s=settings.snapshot_s, every_records=settings.snapshot_n),
+        snapshot=_snapshot_policy(),
     ).run()
     _log(f"{run_id} cross-rank", result)
+    _affine(run_id, keys.CROSSRANK, result.status)
     if result.processed:  # more steps decided: the shards release their held findings now, not at the next sweep
         for shard in shards_of(run_ranks(client(), run_id), size):
-            _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size)
+            _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size,
+                     affinity=affinity_key(run_id, shard))
     return result.status

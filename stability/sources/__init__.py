@@ -5,6 +5,9 @@ grouped into :class:`Segment` s, plus :class:`LogEvent` s and the run's start-up
 
 * text logs (:mod:`~stability.sources.textlog`): Megatron-LM / Megatron-DeepSpeed, DeepSpeed, HF Trainer prints,
   fairseq, nanoGPT / llm.c, and system lines (dmesg / journal / NCCL watchdog) inside or beside them;
+* multi-rank logs (:mod:`~stability.sources.ranks`): a directory of per-rank files (torchrun ``--log-dir``, SLURM
+  per-task files), several files (:func:`load_logs`), or one file whose lines carry torchrun / srun / pdsh rank or
+  host prefixes: one run, every record with its rank and host, ``rank_stopped`` events for ranks whose log stops;
 * structured (:mod:`~stability.sources.structured`): JSON lines, HF ``trainer_state.json``, TensorBoard event
   directories, W&B offline run directories (:mod:`~stability.sources.wandb_offline`).
 
@@ -15,6 +18,7 @@ were expected (:data:`EXPECTED`).
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from stability.errors import SourceError
@@ -22,7 +26,7 @@ from stability.sources._model import EVENT_KINDS, SYSTEM_KINDS, LoadedLog, LogEv
 from stability.sources._segments import SegmentBuilder
 
 __all__ = ["EVENT_KINDS", "EXPECTED", "SYSTEM_KINDS", "LoadedLog", "LogEvent", "Segment", "SegmentBuilder",
-           "load_log", "load_system_log", "sniff"]
+           "load_log", "load_logs", "load_system_log", "sniff"]
 
 EXPECTED = ("a CSV with a 'step' column, a stability run directory, a Megatron-LM/DeepSpeed/HF Trainer/fairseq/"
             "nanoGPT training log, JSON lines, trainer_state.json, a TensorBoard event directory or a W&B offline "
@@ -37,7 +41,8 @@ def _run_id(path: Path) -> str:
 
 def sniff(path: Path) -> str:
     """The format of ``path``: ``csv``, ``jsonl``, ``hf-trainer-state``, ``tensorboard``, ``wandb-offline``,
-    ``text`` (a training or system log), or ``unknown``."""
+    ``text`` (a training or system log, maybe with rank / host prefixes), ``ranked`` (a directory of per-rank
+    logs, :mod:`~stability.sources.ranks`) or ``unknown``."""
     if path.is_dir():
         return _sniff_dir(path)
     if path.suffix == ".wandb":
@@ -59,9 +64,12 @@ def sniff(path: Path) -> str:
         return "hf-trainer-state"
     if first.startswith("{") and first.rstrip().endswith("}") and first.startswith('{"'):
         return "jsonl"
+    from stability.sources import ranks
     from stability.sources.textlog import sniff_lines
 
     if sniff_lines(iter(head)):
+        return "text"
+    if ranks.prefixed(head) and sniff_lines(iter(ranks.stripped_lines(head))):
         return "text"
     if "," in first and not first.startswith("{"):
         return "csv"
@@ -75,7 +83,18 @@ def _sniff_dir(path: Path) -> str:
         return "wandb-offline"
     if _trainer_state(path) is not None:
         return "hf-trainer-state"
+    from stability.sources import ranks
+
+    if any(_sniff_file(f.path) == "text" for f in ranks.discover(path)[:64]):
+        return "ranked"
     return "unknown"
+
+
+def _sniff_file(path: Path) -> str:
+    try:
+        return sniff(path)
+    except SourceError:
+        return "unknown"
 
 
 def _trainer_state(directory: Path) -> Path | None:
@@ -111,6 +130,14 @@ def load_log(path: str | Path, *, run_id: str | None = None, fmt: str | None = N
         loaded = structured.load_trainer_state(state, rid)
     elif fmt == "jsonl":
         loaded = structured.load_jsonl(path, rid)
+    elif fmt == "ranked" or (fmt == "text" and _prefixed(path)):
+        from stability.sources import ranks
+
+        files = ranks.discover(path) if path.is_dir() else [ranks.RankFile(path=path)]
+        loaded = ranks.load_ranked(files, run_id=rid)
+        beside = ranks.system_files(path) if path.is_dir() else []
+        ranks.add_system_logs(loaded, beside)
+        loaded.notes += [f"{p.name}: read as a system log (kernel / nvidia-smi)" for p in beside]
     elif fmt == "text":
         parser = textlog.TextLogParser(run_id=rid, source=str(path))
         parser.read(path)
@@ -124,6 +151,40 @@ def load_log(path: str | Path, *, run_id: str | None = None, fmt: str | None = N
     if not loaded.records and not loaded.events:
         raise SourceError(f"{path}: no training records or events found (read as {loaded.format}); expected "
                           f"{EXPECTED}")
+    return loaded
+
+
+def _prefixed(path: Path) -> bool:
+    from stability.sources import ranks
+
+    return ranks.prefixed(ranks.head(path))
+
+
+def load_logs(paths: Sequence[str | Path], *, run_id: str | None = None) -> LoadedLog:
+    """Several files of one run (one per rank, node or task: :mod:`~stability.sources.ranks` reads their names)
+    as one multi-rank run.
+
+    Raises:
+        SourceError: a file missing or not a training log (one line naming the expected formats), or no records.
+    """
+    from stability.sources import ranks
+
+    files = [Path(p) for p in paths]
+    formats = {}
+    for file in files:
+        if not file.is_file():
+            raise SourceError(f"{file}: no such file")
+        formats[file] = sniff(file)
+        if formats[file] not in ("text", "unknown"):  # unknown: a rank that printed only warnings / a traceback
+            raise SourceError(f"{file}: a {formats[file]} source; several sources must each be the text log of one "
+                              f"rank, node or task")
+    if "text" not in formats.values():
+        raise SourceError(f"{', '.join(map(str, files))}: format not recognised; expected {EXPECTED}")
+    named = ranks.discover_files(files)
+    loaded = ranks.load_ranked(named, run_id=run_id or _run_id(files[0].parent if len(files) > 1 else files[0]))
+    _drop_static_scale(loaded)
+    if not loaded.records and not loaded.events:
+        raise SourceError(f"{', '.join(map(str, files))}: no training records or events found")
     return loaded
 
 
@@ -147,11 +208,16 @@ def _drop_static_scale(loaded: LoadedLog) -> None:
                 replace(r, signals={k: v for k, v in r.signals.items() if k not in drop}) for r in chunk]
 
 
-def load_system_log(path: str | Path, *, year: int | None = None) -> list[LogEvent]:
+def load_system_log(path: str | Path, *, year: int | None = None, hosts: Collection[str] = ()) -> list[LogEvent]:
     """The system events (Xid, ECC, hung tasks, OOM kills, NCCL failures) of a dmesg / journal file, or the ECC
     errors, pending page retirements / row remappings and hardware slowdowns of an ``nvidia-smi -q`` dump
-    (:mod:`~stability.sources.nvsmi`)."""
+    (:mod:`~stability.sources.nvsmi`).
+
+    An event's host is the one its syslog line names, else the one the file name gives (one file per node:
+    ``node-b.dmesg``, ``dmesg-node-b.txt``; a host of ``hosts``, the run's, contained in the name wins,
+    :func:`~stability.sources.ranks.host_from_name`)."""
     from stability.sources import nvsmi
+    from stability.sources.ranks import host_from_name
     from stability.sources.textlog import TextLogParser
 
     path = Path(path)
@@ -162,8 +228,15 @@ def load_system_log(path: str | Path, *, year: int | None = None) -> list[LogEve
             head = [line for _, line in zip(range(20), handle, strict=False)]
     except OSError as exc:
         raise SourceError(f"{path}: cannot read ({exc})") from None
+    host = host_from_name(path, hosts)
     if nvsmi.is_nvsmi(head):
-        return nvsmi.read_nvsmi(path)
-    parser = TextLogParser(run_id="system", source=str(path), year=year)
-    parser.read(path)
-    return [e for e in parser.events if e.kind in SYSTEM_KINDS]
+        events = nvsmi.read_nvsmi(path)
+    else:
+        parser = TextLogParser(run_id="system", source=str(path), year=year)
+        parser.read(path)
+        events = [e for e in parser.events if e.kind in SYSTEM_KINDS]
+    if not host:
+        return events
+    from dataclasses import replace
+
+    return [e if e.host else replace(e, host=host) for e in events]

@@ -22,6 +22,7 @@ EVENT_KINDS: tuple[str, ...] = (
     "nccl_timeout",      # NCCL watchdog: a collective timed out
     "nccl_error",        # other NCCL / communication failures
     "crash",             # a Python traceback / fatal error line
+    "rank_stopped",      # multi-rank logs: a rank whose log stops while the others go on or wait
 )
 """Kinds of :class:`LogEvent`."""
 
@@ -49,12 +50,17 @@ class LogEvent:
     """Kind-specific number: the new loss scale, the Xid code, the timeout in seconds."""
     count: int | None = None
     """``overflow``: how many overflows in a row up to this one (no successful step logged between)."""
+    ranks: tuple[int, ...] = ()
+    """A system-log event of a host: the ranks that ran there (:func:`stability.sources.ranks.attribute_hosts`)."""
 
     def to_dict(self) -> dict[str, object]:
         """Plain data for the findings JSON."""
-        return {"kind": self.kind, "step": self.step, "wall_time": self.wall_time, "rank": self.rank,
-                "host": self.host, "value": self.value, "count": self.count, "message": self.message,
-                "source": self.source}
+        out: dict[str, object] = {
+            "kind": self.kind, "step": self.step, "wall_time": self.wall_time, "rank": self.rank, "host": self.host,
+            "value": self.value, "count": self.count, "message": self.message, "source": self.source}
+        if self.ranks:
+            out["ranks"] = list(self.ranks)
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,3 +98,5 @@ class LoadedLog:
     """Run context (the first start-up banner's arguments, versions); shown in the report's metadata."""
     notes: list[str] = field(default_factory=list)
     """Caveats of the reading (e.g. steps are log-line ordinals), shown in the report."""
+    hosts: dict[int, str] = field(default_factory=dict)
+    """Rank -> host, where the logs say (multi-rank logs, :mod:`stability.sources.ranks`): matches system logs."""

@@ -10,10 +10,14 @@ events, and the causes only they can evidence (:func:`~stability.detectors.ranki
   >= :data:`OVERFLOW_RUN` overflows in a row, or a log that ends inside a run of >= :data:`END_RUN` overflows is a
   ``loss_scale_collapse`` error (``fp16_loss_scale``); so is an overflow taking the scale to
   :data:`SCALE_FLOOR` or below, and so is a log whose last >= :data:`END_RUN` records all skipped iterations.
-* **A rank whose log stops** more than two logging intervals before the others' last step is a ``hang`` warning.
+* **A rank whose log stops** more than two logging intervals before the others' last step is a ``hang`` warning;
+  so is a ``rank_stopped`` event of multi-rank logs (:mod:`stability.sources.ranks`: a rank whose lines stop while
+  the others log on), an error when the others' NCCL watchdogs timed out waiting for it; it names the rank, its
+  host and its last step, with ``hardware_fault`` when a kernel / nvidia-smi event hit that host.
 * **System events** are placed on the step axis (their own step, else the last record at or before their date,
   else the end of the log): NCCL watchdog timeouts / hung tasks are a ``hang`` error, Xid / ECC a
-  ``hardware_error`` error (``hardware_fault``), OOM kills / NCCL errors an ``infrastructure`` error; each also
+  ``hardware_error`` error (``hardware_fault``; a system-log event on a host names the ranks that ran there), OOM
+  kills / NCCL errors an ``infrastructure`` error; each also
   adds its cause to incidents within the window of its step.
 """
 
@@ -184,9 +188,11 @@ def _skipping_tail(records: Sequence[StepRecord], segments: Sequence[Segment]) -
     return [replace(found, onset=first.step)]
 
 
-def _stopped_ranks(records: Sequence[StepRecord], segments: Sequence[Segment]) -> list[Finding]:
+def _stopped_ranks(records: Sequence[StepRecord], segments: Sequence[Segment],
+                   reported: frozenset[int] = frozenset()) -> list[Finding]:
     """A rank whose log stops (in the last segment) more than two of its logging intervals before the others'
-    last step: it hung or died while the others went on (or waited in a collective)."""
+    last step: it hung or died while the others went on (or waited in a collective). Ranks in ``reported`` (a
+    ``rank_stopped`` event of the multi-rank reader names them) are left to :func:`_rank_hangs`."""
     if not segments:
         return []
     last: dict[int, list[int]] = {}
@@ -200,9 +206,41 @@ def _stopped_ranks(records: Sequence[StepRecord], segments: Sequence[Segment]) -
         steps.sort()
         gaps = [b - a for a, b in itertools.pairwise(steps) if b > a]
         interval = statistics.median(gaps) if gaps else 1
-        if newest - steps[-1] > 2 * interval and len(steps) >= 3:
+        if newest - steps[-1] > 2 * interval and len(steps) >= 3 and rank not in reported:
             text = f"rank {rank}'s log stops at step {steps[-1]} while other ranks logged up to step {newest}"
             out.append(_finding("hang", steps[-1], Severity.WARNING, text, [("hang", 0.7, text)], rank=rank))
+    return out
+
+
+def _where(event: LogEvent) -> str:
+    """`` on node-b (ranks 4-7)`` for a system event matched to the ranks of its host."""
+    from stability.sources.ranks import span
+
+    text = f" on {event.host}" if event.host and event.host not in event.message else ""
+    if len(event.ranks) > 1:
+        text += f" (ranks {span(event.ranks)})"
+    elif event.ranks:
+        text += f" (rank {event.ranks[0]})"
+    return text
+
+
+def _rank_hangs(placed: Sequence[tuple[int, LogEvent]], hardware: Sequence[tuple[int, LogEvent]]) -> list[Finding]:
+    """The ``hang`` findings of ``rank_stopped`` events (:func:`stability.sources.ranks.stopped_ranks`): one per
+    stopped rank, an error when the other ranks' NCCL watchdogs timed out waiting (or the kernel saw hung tasks),
+    with ``hardware_fault`` when a hardware event hit the rank's host (or any host, when the hosts are unknown)."""
+    stopped = [(s, e) for s, e in placed if e.kind == "rank_stopped"]
+    waited = [e for _, e in placed if e.kind in ("nccl_timeout", "hung_task")]
+    out = []
+    for step, event in stopped[:8]:
+        causes = [("hang", 0.85 if event.value else 0.7, f"{event.source}: {event.message}")]
+        if waited:
+            causes[0] = ("hang", 0.85, f"{event.source}: {event.message}; {waited[0].source}: {waited[0].message}")
+        mine = [e for _, e in hardware if event.rank in e.ranks or (e.host and e.host == event.host)
+                or not (e.host and event.host)]
+        if mine:
+            causes.append(("hardware_fault", 0.9, f"{mine[0].source}: {mine[0].message}{_where(mine[0])}"))
+        severity = Severity.ERROR if event.value or waited else Severity.WARNING
+        out.append(_finding("hang", step, severity, event.message, causes, rank=event.rank or 0, host=event.host))
     return out
 
 
@@ -213,9 +251,9 @@ def _system_findings(placed: Sequence[tuple[int, LogEvent]], last_step: int) -> 
               + [p for p in system if p[1].kind == "gpu_throttle"],
               "infrastructure_error": [p for p in system if p[1].kind in ("oom", "nccl_error")]}
     hardware = groups["hardware_error"]
-    out = []
+    out = _rank_hangs(placed, hardware)
     for kind, items in groups.items():
-        if not items:
+        if not items or (kind == "hang" and out):
             continue
         step, event = items[0]
         more = f" (+{len(items) - 1} more)" if len(items) > 1 else ""
@@ -225,9 +263,10 @@ def _system_findings(placed: Sequence[tuple[int, LogEvent]], last_step: int) -> 
             message = f"the log stops at step {last_step}; {event.message}{more}"
             causes.append(("hang", 0.8, f"{event.source}: {event.message}"))
             if hardware:
-                causes.append(("hardware_fault", 0.85, f"{hardware[0][1].source}: {hardware[0][1].message}"))
+                causes.append(("hardware_fault", 0.85, f"{hardware[0][1].source}: {hardware[0][1].message}"
+                                                       f"{_where(hardware[0][1])}"))
         elif kind == "hardware_error":
-            message = f"{event.message}{more}"
+            message = f"{event.message}{_where(event)}{more}"
             throttle_only = event.kind == "gpu_throttle"  # errors sort first: only slowdowns, no memory error
             causes.append(("hardware_fault", 0.6 if throttle_only else 0.9, f"{event.source}: {event.message}"))
         else:
@@ -277,7 +316,8 @@ def apply_log_context(incidents: list[Incident], records: Sequence[StepRecord], 
     fp16 = _fp16_findings(placed)
     if not any(f.severity is Severity.ERROR for f in fp16):
         fp16 += _skipping_tail(records, segments)
-    found = [*fp16, *_system_findings(placed, last_step), *_stopped_ranks(records, segments),
+    reported = frozenset(e.rank for e in events if e.kind == "rank_stopped" and e.rank is not None)
+    found = [*fp16, *_system_findings(placed, last_step), *_stopped_ranks(records, segments, reported),
              *_resume_findings(bounds, out, owner)]
     for finding in found:
         near = [i for i in out if i.rank == finding.rank and finding.kind in _JOINS.get(i.headline.kind, ())

@@ -13,7 +13,8 @@ Recognised (anywhere: in a kernel log next to the training log or inside the tra
   -> ``nccl_error``.
 
 Dates: ISO (``2023-06-07 22:16:00,018``, ``2024-01-02T03:04:05``) and syslog (``Dec 03 10:00:00 host kernel:``,
-year taken from ``year``) prefixes give ``wall_time``; dmesg's seconds-since-boot do not.
+year taken from ``year``) and PyTorch's C++ glog (``[rank3]:[E321 02:07:08.408271257 ProcessGroupNCCL.cpp:607]``,
+same) prefixes give ``wall_time``; dmesg's seconds-since-boot do not.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import calendar
 import re
 import time
 
-__all__ = ["ECC_XIDS", "classify", "parse_time"]
+__all__ = ["ECC_XIDS", "classify", "line_year", "parse_time"]
 
 ECC_XIDS = frozenset({48, 63, 64, 92, 94, 95})
 """Xid codes that report memory (ECC / row-remapping) errors."""
@@ -40,6 +41,9 @@ _RANK = re.compile(r"\[(?:Rank|rank)\s*(\d+)\]|\brank\s*[:=]?\s*(\d+)\b")
 
 _ISO = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:[.,](\d+))?")
 _SYSLOG = re.compile(r"^(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)\s+(\d{1,2})\s+(\d\d):(\d\d):(\d\d)\s+(\S+)")
+_GLOG = re.compile(r"(?:^|[\[\s])[IWEF](\d{1,2})(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+)\s")
+"""glog / c10 prefix of PyTorch's C++ log lines (``[E1204 14:40:32.295000 12040 file.cpp:632]``; recent versions
+``[E321 02:07:08.408271257 ProcessGroupNCCL.cpp:607]``: month not zero-padded, no thread id): no year."""
 _MONTHS = {m: i for i, m in enumerate(calendar.month_abbr) if m}
 
 
@@ -55,7 +59,19 @@ def parse_time(line: str, year: int | None = None) -> tuple[float | None, str]:
         mon, day, hh, mm, ss, host = match.groups()
         y = year if year is not None else time.gmtime().tm_year
         return float(calendar.timegm((y, _MONTHS[mon], int(day), int(hh), int(mm), int(ss)))), host
+    match = _GLOG.search(line, 0, 80)
+    if match:
+        mo, d, h, mi, s = (int(g) for g in match.groups()[:5])
+        if 1 <= mo <= 12 and 1 <= d <= 31:
+            y = year if year is not None else time.gmtime().tm_year
+            return calendar.timegm((y, mo, d, h, mi, s)) + float(f"0.{match.group(6)}"), ""
     return None, ""
+
+
+def line_year(line: str) -> int | None:
+    """The year of a line's ISO date prefix (None without one): the year of the log's glog / syslog dates."""
+    match = _ISO.search(line, 0, 64)
+    return int(match.group(1)) if match else None
 
 
 def classify(line: str) -> tuple[str, float | None, int | None] | None:

@@ -131,6 +131,7 @@ class TextLogParser:
     run_id: str
     source: str
     host: str = ""
+    rank: int = 0
     year: int | None = None
     builder: SegmentBuilder = field(default_factory=SegmentBuilder)
     events: list[LogEvent] = field(default_factory=list)
@@ -198,6 +199,11 @@ class TextLogParser:
                                     step=step if step is not None else self._current_step(), wall_time=wall,
                                     rank=rank, host=host or self.host, value=value, count=count))
 
+    @property
+    def step(self) -> int | None:
+        """The training step the log is at (the last record's, or the last progress-bar counter)."""
+        return self._current_step()
+
     def _current_step(self) -> int | None:
         if self._tqdm_step is not None:
             return self._tqdm_step
@@ -221,7 +227,7 @@ class TextLogParser:
         if signals.get("loss_scale") == 0.0:  # printed rounded to 0 decimals (fairseq): not a real scale
             del signals["loss_scale"]
         wall, _ = system.parse_time(line, self.year)
-        self.builder.add(StepRecord(run_id=self.run_id, step=step, rank=0, signals=signals,
+        self.builder.add(StepRecord(run_id=self.run_id, step=step, rank=self.rank, signals=signals,
                                     wall_time=wall or 0.0, host=self.host))
         self._last_step = step
 
