@@ -63,19 +63,25 @@ class _Stream:
 
 @dataclass
 class _Reader:
+    """The state of reading one run's files: its streams and what the lines said about ranks and hosts."""
+
     run_id: str
     year: int | None
     ordered: bool
     """One combined file: line order is time order, the run's step at any line is the newest step logged."""
     streams: dict[_Key, _Stream] = field(default_factory=dict)
     offsets: dict[str, int] = field(default_factory=dict)
+    """Node -> its first global rank, where a line names a global and a local rank."""
     node_hosts: dict[str, str] = field(default_factory=dict)
     rank_hosts: dict[int, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     run_step: int | None = None
+    """The newest step any stream logged so far."""
     _summary_host: dict[str, str] = field(default_factory=dict)
+    """Node -> the ``host :`` line of torchrun's failure summary, until its ``rank :`` line."""
 
     def stream(self, node: str, local: int | None, rank: int | None, host: str, source: str) -> _Stream:
+        """The stream of a line: by its local rank, else its global rank, else the node's unprefixed lines."""
         if local is not None:
             key = (node, "L", local)
         elif rank is not None:
@@ -96,6 +102,7 @@ class _Reader:
         return found
 
     def read(self, spec: RankFile) -> None:
+        """Every line of one file, attributed by its prefixes, else by what the file's path says."""
         outer = outer_mode(head(spec.path))
         label_is_node = outer == "label" and self._label_is_node(spec.path)
         seen_attempt: set[int] = set()
@@ -122,6 +129,7 @@ class _Reader:
 
     def _line(self, spec: RankFile, number: int, node: str, local: int | None, rank: int | None, host: str,
               rest: str, seen_attempt: set[int]) -> None:
+        """One attributed line: host and rank hints, then its stream's parser and last line."""
         self._context_line(node, rest)
         nccl = _NCCL_HOST.match(rest)
         if nccl and not host:
