@@ -210,6 +210,19 @@ class _Reader:
             out.setdefault(key, first.get(s.node, 0))
         return out
 
+    def hosts(self, ranks: dict[_Key, int]) -> dict[int, str]:
+        """Rank -> host, in rank order: the stream's own host, else its node's, else the node's name when that is a
+        host (not a task id nor a torchrun ``<run_id>_<random>`` directory); then the DeepSpeed launcher's map."""
+        hosts: dict[int, str] = {}
+        for key, s in self.streams.items():
+            host = s.host or self.node_hosts.get(s.node, "") or (s.node if s.node and not s.node.isdigit()
+                                                                and "_" not in s.node else "")
+            if host:
+                hosts.setdefault(ranks[key], host)
+        for rank, host in self.rank_hosts.items():
+            hosts.setdefault(rank, host)
+        return dict(sorted(hosts.items()))
+
 
 def load_ranked(files: Sequence[RankFile | Path], *, run_id: str, year: int | None = None) -> LoadedLog:
     """Read per-rank files or prefixed combined files as one multi-rank run (see the module docstring).
@@ -224,15 +237,7 @@ def load_ranked(files: Sequence[RankFile | Path], *, run_id: str, year: int | No
     for spec in sorted(specs, key=lambda s: (s.attempt, str(s.path))):
         reader.read(spec)
     ranks = reader.resolve()
-    hosts: dict[int, str] = {}
-    for key, s in reader.streams.items():
-        host = s.host or reader.node_hosts.get(s.node, "") or (s.node if s.node and not s.node.isdigit()
-                                                              and "_" not in s.node else "")
-        if host:
-            hosts.setdefault(ranks[key], host)
-    for rank, host in reader.rank_hosts.items():
-        hosts.setdefault(rank, host)
-    hosts = dict(sorted(hosts.items()))
+    hosts = reader.hosts(ranks)
     records, segments = _merge(reader, ranks, hosts)
     events: list[LogEvent] = []
     formats: dict[str, int] = {}
