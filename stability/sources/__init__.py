@@ -217,19 +217,15 @@ def load_system_log(path: str | Path, *, year: int | None = None, hosts: Collect
     ``node-b.dmesg``, ``dmesg-node-b.txt``; a host of ``hosts``, the run's, contained in the name wins,
     :func:`~stability.sources.ranks.host_from_name`)."""
     from stability.sources import nvsmi
-    from stability.sources.ranks import host_from_name
+    from stability.sources.ranks import head, host_from_name
     from stability.sources.textlog import TextLogParser
 
     path = Path(path)
     if not path.is_file():
         raise SourceError(f"{path}: no such file")
-    try:
-        with path.open(encoding="utf-8", errors="replace") as handle:
-            head = [line for _, line in zip(range(20), handle, strict=False)]
-    except OSError as exc:
-        raise SourceError(f"{path}: cannot read ({exc})") from None
+    first = head(path, 20)
     host = host_from_name(path, hosts)
-    if nvsmi.is_nvsmi(head):
+    if nvsmi.is_nvsmi(first):
         events = nvsmi.read_nvsmi(path)
     else:
         parser = TextLogParser(run_id="system", source=str(path), year=year)

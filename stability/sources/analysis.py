@@ -200,12 +200,13 @@ def _stopped_ranks(records: Sequence[StepRecord], segments: Sequence[Segment],
         last.setdefault(record.rank, []).append(record.step)
     if len(last) < 2:
         return []
+    from stability.sources.ranks.hangs import logging_interval
+
     newest = max(max(steps) for steps in last.values())
     out = []
     for rank, steps in sorted(last.items()):
         steps.sort()
-        gaps = [b - a for a, b in itertools.pairwise(steps) if b > a]
-        interval = statistics.median(gaps) if gaps else 1
+        interval = logging_interval(steps)
         if newest - steps[-1] > 2 * interval and len(steps) >= 3 and rank not in reported:
             text = f"rank {rank}'s log stops at step {steps[-1]} while other ranks logged up to step {newest}"
             out.append(_finding("hang", steps[-1], Severity.WARNING, text, [("hang", 0.7, text)], rank=rank))
