@@ -227,18 +227,23 @@ def test_megatron_skipped_iterations_that_do_not_stop_are_an_error(tmp_path: Pat
     assert "20 logged steps (101-120)" in str(errors[0]["message"])
 
 
-def test_an_overflow_printed_by_every_rank_counts_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tee", [False, True])
+def test_an_overflow_printed_by_every_rank_counts_once(tmp_path: Path, tee: bool) -> None:
+    """DeepSpeed's ``OVERFLOW! Rank r`` from all 8 ranks, plain or under torchrun --tee's ``[default r]:`` prefixes."""
+    def prefix(rank: int) -> str:
+        return f"[default{rank}]:" if tee else ""
+
     lines = []
     for step in range(1, 41):
         if step % 10 == 5:
-            lines += [f"[2024-02-01 09:00:{step:02d},000] [INFO] [loss_scaler.py:183:update_scale] [deepspeed] "
-                      f"OVERFLOW! Rank {r} Skipping step. Attempted loss scale: 65536, reducing to 32768"
+            lines += [f"{prefix(r)}[2024-02-01 09:00:{step:02d},000] [INFO] [loss_scaler.py:183:update_scale] "
+                      f"[deepspeed] OVERFLOW! Rank {r} Skipping step. Attempted loss scale: 65536, reducing to 32768"
                       for r in range(8)]
-        lines.append(f"[Rank 0] step={step}, skipped={(step + 5) // 10}, lr=[0.0001], mom=[(0.9, 0.999)]")
+        lines.append(f"{prefix(0)}[Rank 0] step={step}, skipped={(step + 5) // 10}, lr=[0.0001], mom=[(0.9, 0.999)]")
     path = tmp_path / "ranks.log"
     path.write_text("\n".join(lines) + "\n")
     log = load_source(path)
-    assert [(e.step, e.count) for e in log.events] == [(4, 1), (14, 1), (24, 1), (34, 1)]
+    assert [(e.kind, e.step, e.count) for e in log.events] == [("overflow", s, 1) for s in (4, 14, 24, 34)]
     assert [e["severity"] for e in analyse(path, tmp_path).events] == ["info"]
 
 

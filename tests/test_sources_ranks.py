@@ -328,19 +328,3 @@ def test_deepspeed_launcher_over_pdsh_maps_ranks_to_hosts_for_the_kernel_log(tmp
     hardware = [e for e in serious(result) if e["kind"] == "hardware_error"]
     assert [(e["rank"], e["host"], e["onset"]) for e in hardware] == [(2, "node-b", 60)]
     assert "(ranks 2-3)" in str(hardware[0]["message"])
-
-
-def test_an_overflow_every_rank_prints_under_its_prefix_counts_once(tmp_path: Path) -> None:
-    """DeepSpeed under torchrun --tee: each rank prints ``OVERFLOW! Rank r`` under its own ``[default r]:``."""
-    lines = []
-    for step in range(1, 41):
-        if step % 10 == 5:
-            lines += [f"[default{r}]:[2024-02-01 09:00:{step:02d},000] [INFO] [loss_scaler.py:183:update_scale] "
-                      f"[deepspeed] OVERFLOW! Rank {r} Skipping step. Attempted loss scale: 65536, reducing to 32768"
-                      for r in range(4)]
-        lines.append(f"[default0]:[Rank 0] step={step}, skipped={(step + 5) // 10}, lr=[0.0001], mom=[(0.9, 0.999)]")
-    path = tmp_path / "ds_tee.log"
-    path.write_text("\n".join(lines) + "\n")
-    log = load_source(path)
-    assert [(e.kind, e.step, e.count) for e in log.events] == [("overflow", s, 1) for s in (4, 14, 24, 34)]
-    assert [e["severity"] for e in analyse(path, tmp_path).events] == ["info"]
