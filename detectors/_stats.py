@@ -33,12 +33,30 @@ MAD_TO_SIGMA = 1.4826
 """Consistency constant: 1.4826 * MAD estimates sigma for Gaussian data."""
 
 
+_SORT_MAX = 24
+"""Up to this many values a Python sort beats ``np.partition``'s call overhead (measured)."""
+
+
 def median(values: np.ndarray) -> float:
-    """``np.median`` of a non-empty 1-d float array without its per-call overhead (~4x faster on short windows)."""
+    """``np.median`` of a non-empty 1-d float array without its per-call overhead (~4x faster on short windows).
+
+    Bit-identical to ``np.median``: both take the middle value (or the mean ``0.5 * (a + b)`` of the middle two) of
+    the same multiset, and equal floats have equal bits except 0.0 and -0.0, so a zero result (and any NaN, which a
+    Python sort does not order) takes the ``np.partition`` path.
+    """
     n = len(values)
     lo, hi = (n - 1) // 2, n // 2
-    part = np.partition(values, (lo, hi)) if lo != hi else np.partition(values, lo)
-    return float(0.5 * (part[lo] + part[hi]))
+    if n <= _SORT_MAX:
+        items = values.tolist()
+        total = sum(items)
+        if total == total:  # no NaN in the values
+            items.sort()
+            mid = 0.5 * (items[lo] + items[hi])
+            if mid != 0.0:
+                return mid
+    part = values.copy()
+    part.partition((lo, hi) if lo != hi else lo)
+    return 0.5 * (part.item(lo) + part.item(hi))
 
 
 def mad_scale(values: np.ndarray) -> float:
