@@ -243,8 +243,9 @@ class CrossRankDetector:
         spreads = self._loss_spread.setdefault(group, deque(maxlen=self.config.spread_window))
         floor = max(self.config.loss_floor, float(np.quantile(spreads, self.config.spread_quantile))) if spreads \
             else self.config.loss_floor
-        logs = np.log([v for v in got.values() if math.isfinite(v) and v > 0])
-        if len(logs) >= 3:
+        positive = [v for v in got.values() if math.isfinite(v) and v > 0]
+        if len(positive) >= 3:
+            logs = np.log(positive)
             spreads.append(1.4826 * float(np.median(np.abs(logs - np.median(logs)))))
         return floor
 
