@@ -52,7 +52,7 @@ def _median(values: np.ndarray, *, scratch: bool) -> float:
     n = len(values)
     lo, hi = (n - 1) // 2, n // 2
     if n <= _SORT_MAX:
-        items = values.tolist()
+        items: list[float] = values.tolist()
         total = sum(items)
         if total == total:  # no NaN in the values
             items.sort()
@@ -61,7 +61,9 @@ def _median(values: np.ndarray, *, scratch: bool) -> float:
                 return mid
     part = values if scratch else values.copy()
     part.partition((lo, hi) if lo != hi else lo)
-    return 0.5 * (part.item(lo) + part.item(hi))
+    low: float = part.item(lo)
+    high: float = part.item(hi)
+    return 0.5 * (low + high)
 
 
 def mad_scale(values: np.ndarray) -> float:

@@ -113,17 +113,7 @@ class LossScaleDetector:
     def _scale(self, record: StepRecord, scale: float) -> list[Finding]:
         cfg, step = self.config, record.step
         previous = self._scales[-1][1] if self._scales else None
-        scales, peak_entry = self._scales, self._peak
-        while scales and step - scales[0][0] >= cfg.window:
-            if scales.popleft() is peak_entry:
-                peak_entry = None
-        if peak_entry is not None and len(scales) == scales.maxlen and scales[0] is peak_entry:
-            peak_entry = None  # the append below drops it
-        entry = (step, scale)
-        scales.append(entry)
-        if peak_entry is not None and (scale, step) > (peak_entry[1], peak_entry[0]):
-            peak_entry = entry  # max() keeps the first of equal keys: the cached one, which comes earlier
-        self._peak = peak_entry
+        self._push(step, scale)
         if previous is not None and scale > previous * (1 + 1e-9):
             self._halvings = 0.0
         elif previous is not None and scale < previous * (1 - 1e-9):
@@ -160,6 +150,20 @@ class LossScaleDetector:
         out.append(self._finding(record, Severity.WARNING, onset, "loss_scale", f"loss scale {why}",
                                  {"factor": factor, "scale": scale, "halvings": self._halvings}))
         return out
+
+    def _push(self, step: int, scale: float) -> None:
+        """Append to the window of scales (dropping the points ``window`` steps old), keeping the cached peak."""
+        scales, peak_entry = self._scales, self._peak
+        while scales and step - scales[0][0] >= self.config.window:
+            if scales.popleft() is peak_entry:
+                peak_entry = None
+        if peak_entry is not None and len(scales) == scales.maxlen and scales[0] is peak_entry:
+            peak_entry = None  # the append below drops it
+        entry = (step, scale)
+        scales.append(entry)
+        if peak_entry is not None and (scale, step) > (peak_entry[1], peak_entry[0]):
+            peak_entry = entry  # max() keeps the first of equal keys: the cached one, which comes earlier
+        self._peak = peak_entry
 
     def _settle(self, step: int, scale: float, previous: float | None) -> bool:
         """Whether the start-up calibration is over (see ``settle_steps``); when it ends, the collapse rules start
