@@ -16,6 +16,7 @@ import pytest
 
 from stability.detectors import schedule
 from stability.detectors._stats import mad_scale, median, predict_line, robust_line
+from stability.detectors.base import Finding
 from stability.detectors.fp16 import LossScaleDetector
 from stability.records import StepRecord
 
@@ -112,7 +113,7 @@ def test_cached_resolution_is_the_uncached_one() -> None:
 class _Uncached(LossScaleDetector):
     """Forgets its cached peak before each record: recomputes ``max`` every time (the former code)."""
 
-    def update(self, record: StepRecord):  # type: ignore[no-untyped-def]
+    def update(self, record: StepRecord) -> list[Finding]:
         self._peak = None
         return super().update(record)
 
