@@ -4,7 +4,8 @@
 former ``np.partition`` median (and equal to ``np.median`` without NaN), including even lengths (``(a + b) / 2``),
 signed zeros and infinities; the line fit and MAD scale are those of the plain numpy formulas; the cached LR
 resolution is the uncached one; the loss-scale detector's cached window peak is always ``max(window, key=(value,
-step))`` and its findings and state are those of a detector that recomputes it every record."""
+step))`` and its findings and state are those of a detector that recomputes it every record; the cross-rank
+detector skips its rules on a step one rank reported with the same findings and state."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from stability.detectors import schedule
 from stability.detectors._stats import mad_scale, median, predict_line, robust_line
 from stability.detectors.base import Finding
+from stability.detectors.crossrank import CrossRankDetector
 from stability.detectors.fp16 import LossScaleDetector
 from stability.records import StepRecord
 
@@ -150,3 +152,38 @@ def test_loss_scale_peak_cache_is_exact(seed: int) -> None:
             state = cached.state_dict()
             cached = LossScaleDetector()
             cached.load_state_dict(state)
+
+
+class _AlwaysSuspects(CrossRankDetector):
+    """Runs every rule on a step one rank reported too (the former code)."""
+
+    def _lone(self, values: dict[int, list[float | None]]) -> dict[int, tuple[str, float, float, float, bool]]:
+        return self._suspects(values)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_crossrank_lone_rank_shortcut_is_exact(seed: int) -> None:
+    """Ranks that miss steps (decided by the lag with one, two or all ranks), replicas that disagree now and then
+    (grad and loss faults, a NaN), on a single-rank and a 4-rank run: same findings, verdicts and state."""
+    rng = random.Random(seed)
+    ranks = 1 if seed == 0 else 4
+    fast, slow = CrossRankDetector(), _AlwaysSuspects()
+    for step in range(1500):
+        grad = 1.0 + rng.gauss(0, 0.01)
+        for rank in range(ranks):
+            if ranks > 1 and rng.random() < (0.6 if step % 200 < 50 else 0.05):
+                continue  # this rank's record is missing: the step may be decided with fewer ranks
+            loss = 2.0 + rng.gauss(0, 0.02)
+            g = grad
+            if rng.random() < 0.01:
+                g *= rng.choice((5.0, 0.1, math.inf))
+            if rng.random() < 0.01:
+                loss *= 3.0
+            record = StepRecord(run_id="r", step=step, rank=rank, host=f"h{rank}", coords={"dp": rank},
+                                signals={"loss": loss, "grad_norm": g})
+            assert fast.update(record) == slow.update(record)
+            assert fast.verdicts() == slow.verdicts()
+        if step % 300 == 0:
+            assert fast.state_dict() == slow.state_dict()
+    assert fast.finish() == slow.finish()
+    assert fast.state_dict() == slow.state_dict()
