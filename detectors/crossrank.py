@@ -182,19 +182,8 @@ class CrossRankDetector:
         return out
 
     def _decide(self, step: int, values: dict[int, list[float | None]]) -> list[Finding]:
-        groups: dict[str, list[int]] = {}
-        for rank in sorted(values):
-            groups.setdefault(self._groups.get(rank, ""), []).append(rank)
         out: list[Finding] = []
-        suspects: dict[int, tuple[str, float, float, float, bool]] = {}
-        for ranks in groups.values():
-            for index, signal in enumerate(("loss", "grad_norm")):
-                got = {r: v for r in ranks if (v := values[r][index]) is not None}
-                odd = self._odd(got, self._loss_floor(ranks[0], got), self.config.ratio) if index == 0 else \
-                    self._odd_grad(ranks[0], got)
-                for rank, (other, _, z, nonfinite) in odd.items():
-                    if rank not in suspects or signal == "grad_norm":
-                        suspects[rank] = (signal, got[rank], other, z, nonfinite)
+        suspects = self._suspects(values) if len(values) > 1 else self._lone(values)
         for rank in values:
             flags = self._loss_flags.setdefault(rank, deque(maxlen=3))
             suspect = suspects.get(rank)
@@ -215,6 +204,30 @@ class CrossRankDetector:
             if armed:
                 out.append(finding)
         return out
+
+    def _suspects(self, values: dict[int, list[float | None]]) -> dict[int, tuple[str, float, float, float, bool]]:
+        """rank -> (signal, value, the others' value, z, non-finite) for each rank the rules find disagreeing."""
+        groups: dict[str, list[int]] = {}
+        for rank in sorted(values):
+            groups.setdefault(self._groups.get(rank, ""), []).append(rank)
+        suspects: dict[int, tuple[str, float, float, float, bool]] = {}
+        for ranks in groups.values():
+            for index, signal in enumerate(("loss", "grad_norm")):
+                got = {r: v for r in ranks if (v := values[r][index]) is not None}
+                odd = self._odd(got, self._loss_floor(ranks[0], got), self.config.ratio) if index == 0 else \
+                    self._odd_grad(ranks[0], got)
+                for rank, (other, _, z, nonfinite) in odd.items():
+                    if rank not in suspects or signal == "grad_norm":
+                        suspects[rank] = (signal, got[rank], other, z, nonfinite)
+        return suspects
+
+    def _lone(self, values: dict[int, list[float | None]]) -> dict[int, tuple[str, float, float, float, bool]]:
+        """:meth:`_suspects` of a step one rank reported: no rule can find a disagreement (``_odd`` and
+        ``_post_reduce`` need two values), so of its work only the group's loss-spread history is created (no
+        spread joins it): the same state, without the calls."""
+        [only] = values
+        self._loss_spread.setdefault(self._groups.get(only, ""), deque(maxlen=self.config.spread_window))
+        return {}
 
     def _post_reduce(self, member: int, got: dict[int, float]) -> dict[int, tuple[float, float, float, bool]]:
         """The exact-agreement rule on the group of ``member`` (see the module docstring): rank -> (the others'
@@ -243,8 +256,9 @@ class CrossRankDetector:
         spreads = self._loss_spread.setdefault(group, deque(maxlen=self.config.spread_window))
         floor = max(self.config.loss_floor, float(np.quantile(spreads, self.config.spread_quantile))) if spreads \
             else self.config.loss_floor
-        logs = np.log([v for v in got.values() if math.isfinite(v) and v > 0])
-        if len(logs) >= 3:
+        positive = [v for v in got.values() if math.isfinite(v) and v > 0]
+        if len(positive) >= 3:
+            logs = np.log(positive)
             spreads.append(1.4826 * float(np.median(np.abs(logs - np.median(logs)))))
         return floor
 

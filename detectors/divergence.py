@@ -188,9 +188,11 @@ class DivergenceDetector:
             return None
         level, slope = robust_line(self._trend.x, ys)
         excess = level - self._best
-        noise = mad_scale(ys - (level + slope * (self._trend.x - self._trend.x[-1])))  # of one record
-        needed = max(cfg.trend_excess, 3.0 * 1.2533 * noise / math.sqrt(cfg.trend_smooth))  # 3 se of a median
-        hit = slope > 0 and excess >= needed and mann_kendall_z(ys) >= cfg.trend_z
+        hit = slope > 0 and excess >= cfg.trend_excess  # needed >= trend_excess: skip the noise when this fails
+        if hit:
+            noise = mad_scale(ys - (level + slope * (self._trend.x - self._trend.x[-1])))  # of one record
+            needed = max(cfg.trend_excess, 3.0 * 1.2533 * noise / math.sqrt(cfg.trend_smooth))  # 3 se of a median
+            hit = excess >= needed and mann_kendall_z(ys) >= cfg.trend_z
         self._trend_run = self._trend_run + 1 if hit else 0
         if self._trend_run < cfg.trend_confirm:
             return None

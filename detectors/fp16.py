@@ -65,6 +65,8 @@ class LossScaleDetector:
     def __init__(self, config: LossScaleConfig | None = None) -> None:
         self.config = config or LossScaleConfig()
         self._scales: deque[tuple[int, float]] = deque(maxlen=self.config.window)
+        self._peak: tuple[int, float] | None = None
+        """The entry of ``_scales`` that ``max(key=(value, step))`` returns, while known (None: recompute)."""
         self._skips: deque[int] = deque(maxlen=self.config.burst)
         self._halvings = 0.0
         self._fired_at: int | None = None
@@ -84,6 +86,7 @@ class LossScaleDetector:
             if step - quiet_since >= cfg.rearm_steps:
                 self._fired_at, self._nan_reported, self._halvings = None, False, 0.0
                 self._scales.clear()
+                self._peak = None
         scale = record.get("loss_scale")
         if math.isfinite(scale) and scale > 0:
             out += self._scale(record, scale)
@@ -110,9 +113,7 @@ class LossScaleDetector:
     def _scale(self, record: StepRecord, scale: float) -> list[Finding]:
         cfg, step = self.config, record.step
         previous = self._scales[-1][1] if self._scales else None
-        while self._scales and step - self._scales[0][0] >= cfg.window:
-            self._scales.popleft()
-        self._scales.append((step, scale))
+        self._push(step, scale)
         if previous is not None and scale > previous * (1 + 1e-9):
             self._halvings = 0.0
         elif previous is not None and scale < previous * (1 - 1e-9):
@@ -132,7 +133,9 @@ class LossScaleDetector:
             return out
         if self._fired_at is not None:
             return out
-        peak_step, peak = max(self._scales, key=lambda p: (p[1], p[0]))
+        if self._peak is None:
+            self._peak = max(self._scales, key=lambda p: (p[1], p[0]))
+        peak_step, peak = self._peak
         factor = peak / scale
         if factor >= cfg.collapse_factor:
             why = f"fell {factor:.3g}x in {plural(step - peak_step, 'step')} ({peak:.6g} -> {scale:.6g})"
@@ -147,6 +150,20 @@ class LossScaleDetector:
         out.append(self._finding(record, Severity.WARNING, onset, "loss_scale", f"loss scale {why}",
                                  {"factor": factor, "scale": scale, "halvings": self._halvings}))
         return out
+
+    def _push(self, step: int, scale: float) -> None:
+        """Append to the window of scales (dropping the points ``window`` steps old), keeping the cached peak."""
+        scales, peak_entry = self._scales, self._peak
+        while scales and step - scales[0][0] >= self.config.window:
+            if scales.popleft() is peak_entry:
+                peak_entry = None
+        if peak_entry is not None and len(scales) == scales.maxlen and scales[0] is peak_entry:
+            peak_entry = None  # the append below drops it
+        entry = (step, scale)
+        scales.append(entry)
+        if peak_entry is not None and (scale, step) > (peak_entry[1], peak_entry[0]):
+            peak_entry = entry  # max() keeps the first of equal keys: the cached one, which comes earlier
+        self._peak = peak_entry
 
     def _settle(self, step: int, scale: float, previous: float | None) -> bool:
         """Whether the start-up calibration is over (see ``settle_steps``); when it ends, the collapse rules start
@@ -164,6 +181,7 @@ class LossScaleDetector:
         self._halvings = 0.0
         self._scales.clear()
         self._scales.append((step, scale))
+        self._peak = None
         return True
 
     def _finding(self, record: StepRecord, severity: Severity, onset: int, signal: str, message: str,
@@ -186,6 +204,7 @@ class LossScaleDetector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self._scales = deque(((int(s), float(v)) for s, v in state["scales"]), maxlen=self.config.window)
+        self._peak = None
         self._skips = deque((int(s) for s in state["skips"]), maxlen=self.config.burst)
         self._halvings = float(state["halvings"])
         self._fired_at = state["fired_at"]

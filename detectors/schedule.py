@@ -86,9 +86,23 @@ class OffSchedule:
         return self.lr / self.anchor
 
 
+_RESOLUTIONS: dict[float, float] = {}
+"""Cache of :func:`resolution` (an LR takes few distinct values; ``repr`` is the cost). Equal floats give the same
+resolution (0.0 and -0.0 both give 1.0), so the float is the key."""
+
+
 def resolution(value: float) -> float:
     """Place value of the last significant digit of ``value``'s shortest repr: 1e-06 for 0.000526 (an LR printed
     with 6 decimals), ~1e-20 for a float computed by a scheduler."""
+    found = _RESOLUTIONS.get(value)
+    if found is None:
+        if len(_RESOLUTIONS) >= 4096:
+            _RESOLUTIONS.clear()
+        found = _RESOLUTIONS[value] = _resolution(value)
+    return found
+
+
+def _resolution(value: float) -> float:
     text = repr(value)
     mantissa, _, exponent = text.partition("e")
     decimals = len(mantissa.partition(".")[2].rstrip("0"))
@@ -158,9 +172,10 @@ class LrSchedule:
             self._warmup(step, lr)
         else:
             found = self._judge(step, lr, last, prev_step)
-        step_res = min(resolution(lr), resolution(last))
-        if (lr < last or (lr > last and self.warming)) and abs(lr - last) <= cfg.quanta * step_res:
-            self.quantum = min(self.quantum, step_res)  # a change of a few printed digits (not a rise to judge)
+        if lr < last or (lr > last and self.warming):
+            step_res = min(resolution(lr), resolution(last))
+            if abs(lr - last) <= cfg.quanta * step_res:
+                self.quantum = min(self.quantum, step_res)  # a change of a few printed digits (not a rise to judge)
         return found
 
     @property
