@@ -192,8 +192,7 @@ class _VectorGrowth:
         """Judge the series the range shortcut did not clear, one by one in record order (as before): one finding
         per kind (the fastest-growing series, with the count)."""
         cfg = self.config
-        best: dict[str, tuple[float, Finding]] = {}
-        found: dict[str, int] = {}
+        strongest = _Strongest(self.name, record)
         for i in far.tolist():
             row, name, quantity = int(rows[i]), names[int(sel[i])], quantities[int(sel[i])]
             value = float(values[sel[i]])
@@ -210,20 +209,8 @@ class _VectorGrowth:
             if self._fired[row] or warming:
                 continue
             self._fired[row] = True
-            rise, message, evidence = hit
-            found[kind] = found.get(kind, 0) + 1
-            finding = Finding(kind=kind, step=record.step, onset=int(evidence.pop("onset")), severity=Severity.WARNING,
-                              signal=name, value=value, message=message, detector=self.name, rank=record.rank,
-                              host=record.host, score=rise, evidence=evidence)
-            if kind not in best or rise > best[kind][0]:
-                best[kind] = (rise, finding)
-        out = []
-        for kind, (_, finding) in sorted(best.items()):
-            if found[kind] > 1:
-                finding = dataclasses.replace(finding, message=finding.message +
-                                              f" ({found[kind] - 1} more series of the same kind grow too)")
-            out.append(finding)
-        return out
+            strongest.add(kind, name, value, hit)
+        return strongest.findings()
 
     def _judge(self, name: str, quantity: str, value: float,
                win: Window) -> tuple[float, str, dict[str, float]] | None:
@@ -380,8 +367,7 @@ class _ScalarGrowth(_VectorGrowth):
         loss = record.get("loss")
         if loss > 0 and math.isfinite(loss) and any(split_signal(n)[0] in GROWTH_KINDS for n in record.signals):
             self._loss.push(record.step, math.log(loss))
-        best: dict[str, tuple[float, Finding]] = {}
-        count: dict[str, int] = {}
+        strongest = _Strongest(self.name, record)
         for name, value in record.signals.items():
             quantity, _ = split_signal(name)
             kind = GROWTH_KINDS.get(quantity)
@@ -400,20 +386,8 @@ class _ScalarGrowth(_VectorGrowth):
             if series.fired or warming:
                 continue
             series.fired = True
-            rise, message, evidence = hit
-            count[kind] = count.get(kind, 0) + 1
-            finding = Finding(kind=kind, step=record.step, onset=int(evidence.pop("onset")), severity=Severity.WARNING,
-                              signal=name, value=value, message=message, detector=self.name, rank=record.rank,
-                              host=record.host, score=rise, evidence=evidence)
-            if kind not in best or rise > best[kind][0]:
-                best[kind] = (rise, finding)
-        out = []
-        for kind, (_, finding) in sorted(best.items()):
-            if count[kind] > 1:
-                finding = dataclasses.replace(finding, message=finding.message +
-                                              f" ({count[kind] - 1} more series of the same kind grow too)")
-            out.append(finding)
-        return out
+            strongest.add(kind, name, value, hit)
+        return strongest.findings()
 
     def _push(self, name: str, quantity: str, step: int, value: float) -> _Series | None:
         """Add a value to its series (None when it cannot be used or too many series are tracked)."""
@@ -465,3 +439,32 @@ class GrowthDetector(SizeSwitch):
     def _wide(self, schema: Schema) -> bool | None:
         n = sum(len(schema.by_quantity.get(q, ())) for q in GROWTH_KINDS)
         return None if n == 0 else n >= VECTOR_MIN
+
+
+class _Strongest:
+    """The strongest growth finding of each kind in one record, and how many series of that kind fired with it
+    (one finding per kind; its message counts the others)."""
+
+    def __init__(self, detector: str, record: StepRecord) -> None:
+        self._detector, self._record = detector, record
+        self._best: dict[str, tuple[float, Finding]] = {}
+        self._count: dict[str, int] = {}
+
+    def add(self, kind: str, name: str, value: float, hit: tuple[float, str, dict[str, float]]) -> None:
+        rise, message, evidence = hit
+        record = self._record
+        self._count[kind] = self._count.get(kind, 0) + 1
+        finding = Finding(kind=kind, step=record.step, onset=int(evidence.pop("onset")), severity=Severity.WARNING,
+                          signal=name, value=value, message=message, detector=self._detector, rank=record.rank,
+                          host=record.host, score=rise, evidence=evidence)
+        if kind not in self._best or rise > self._best[kind][0]:
+            self._best[kind] = (rise, finding)
+
+    def findings(self) -> list[Finding]:
+        out = []
+        for kind, (_, finding) in sorted(self._best.items()):
+            if self._count[kind] > 1:
+                finding = dataclasses.replace(finding, message=finding.message +
+                                              f" ({self._count[kind] - 1} more series of the same kind grow too)")
+            out.append(finding)
+        return out
