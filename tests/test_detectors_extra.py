@@ -146,6 +146,22 @@ def test_attention_logit_growth_names_the_layer() -> None:
     assert found(alerts, "activation_growth") == [] and found(alerts, "logit_divergence") == []
 
 
+@pytest.mark.parametrize("vectorised", [True, False])
+def test_series_of_one_kind_growing_together_are_one_finding(vectorised: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two layers' attention logits grow at once: one finding for the kind (the stronger layer), which counts the
+    other; on the vectorised and the per-value path alike."""
+    from stability.detectors import growth
+
+    monkeypatch.setattr(growth, "VECTOR_MIN", 1 if vectorised else 10**9)
+    s = _growth_series()
+    s["attn_logit_max/h.1"][400:] *= np.exp(0.05 * np.arange(N - 400))
+    s["attn_logit_max/h.2"][400:] *= np.exp(0.08 * np.arange(N - 400))
+    alerts, _ = diagnose(to_records(s))
+    [alert] = [a for a in alerts if a.kind == "attention_logit_growth"]
+    assert alert.signal == "attn_logit_max/h.2", alert
+    assert alert.message.endswith("(1 more series of the same kind grow too)"), alert.message
+
+
 def test_activation_growth_and_logit_z_drift() -> None:
     s = _growth_series()
     s["act_absmax/h.0"][300:] *= np.exp(0.06 * np.arange(N - 300))
