@@ -280,12 +280,6 @@ class Emitter:
             )
 
     @property
-    def abandoned(self) -> bool:
-        """True when :meth:`close` timed out and put the unsent records in the spool (Redis did not answer)."""
-        with self._lock:
-            return self._abandoned
-
-    @property
     def reachable(self) -> bool:
         """Whether Redis answered the emitter last (after :meth:`close`: False when the records went to the spool
         because Redis was down or hung)."""
@@ -312,8 +306,9 @@ class Emitter:
                 self._guarded(self._connect)
             if batch:
                 self._deliver(batch)
-        if self.abandoned:  # close() took the rest over; Redis is not answering: leave it alone
-            return
+        with self._lock:
+            if self._abandoned:  # close() took the rest over; Redis is not answering: leave it alone
+                return
         if not self._up and (not self._timed_out or time.monotonic() >= self._retry_at):
             self._guarded(self._connect)  # at once, unless Redis just let a call time out (hung): exit promptly
         self._guarded(self._mark_ended)
