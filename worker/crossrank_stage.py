@@ -47,8 +47,17 @@ from stability.detectors.history import History
 from stability.detectors.ranking import rank_causes
 from stability.records import StepRecord
 from stability.redis_url import RedisClient
-from stability.worker.drain import _EXTEND, _RELEASE, _TAKE_OVER, DrainResult, SnapshotPolicy, _LeaseLost
-from stability.worker.shards import DONE_STEP, finalize_run, id_key, run_ranks, shards_of
+from stability.worker.drain import (
+    _EXTEND,
+    _RELEASE,
+    _TAKE_OVER,
+    DrainResult,
+    SnapshotPolicy,
+    _LeaseLost,
+    committed_clock,
+    run_ranks,
+)
+from stability.worker.shards import DONE_STEP, finalize_run, id_key, shards_of
 from stability.worker.sinks import Sink
 
 __all__ = ["CrossRankStage"]
@@ -92,7 +101,7 @@ class _State:
         self.verdict_keys.extend(str(k) for k in state["verdict_keys"])
         self.done = bool(state["done"])
         if "at" in state:  # keep the commit cadence of the snapshot (as the drainer does: its AT_FIELD)
-            self.committed_at = time.monotonic() - max(0.0, time.time() - float(state["at"]))
+            self.committed_at = committed_clock(float(state["at"]))
 
 
 _STATES: dict[str, _State] = {}

@@ -62,7 +62,8 @@ from stability.records import decode
 from stability.redis_url import RedisClient
 from stability.worker.sinks import Entry, Sink
 
-__all__ = ["CONSUMER", "DrainResult", "Drainer", "Diagnoser", "SnapshotPolicy", "owner_key"]
+__all__ = ["CONSUMER", "DrainResult", "Drainer", "Diagnoser", "SnapshotPolicy", "committed_clock", "owner_key",
+           "run_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -321,7 +322,7 @@ class Drainer:
         diag, legacy, saved_at = self._load_diagnoser()
         ctx = _Context(token=fresh, factory=self._new_diagnoser, diag=diag, rewrite_state=legacy)
         if saved_at is not None:
-            ctx.committed_at = time.monotonic() - max(0.0, time.time() - saved_at)
+            ctx.committed_at = committed_clock(saved_at)
         self._fresh_context(ctx)
         return ctx
 
@@ -426,13 +427,10 @@ class Drainer:
         return ctx.since_commit >= self.snapshot.every_records or time.monotonic() - ctx.committed_at >= every_s
 
     def _ranks(self, ctx: _Context) -> list[int]:
-        """The ranks this drain reads; the rank set is re-read only when its size changed (``SCARD``: a run of
-        16,384 ranks would otherwise cost a 16,384-member reply per batch)."""
-        key = keys.ranks(self.run_id)
-        if ctx.ranks is None or int(self.client.scard(key)) != len(ctx.ranks):  # type: ignore[arg-type]
-            members: Iterable[bytes] = self.client.smembers(key)  # type: ignore[assignment]
-            ctx.ranks = sorted(int(m) for m in members)
-            ctx.selected = self._select(ctx.ranks)
+        """The ranks this drain reads (:func:`run_ranks`, selected again only when the rank set changed)."""
+        every = run_ranks(self.client, self.run_id)
+        if every is not ctx.ranks:
+            ctx.ranks, ctx.selected = every, self._select(every)
         ranks = ctx.selected
         for rank in ranks:
             if rank not in ctx.cursors:
@@ -677,6 +675,27 @@ class Drainer:
         return replies[lead:-1]
 
 
+_RUN_RANKS: dict[tuple[int, str], tuple[RedisClient, list[int]]] = {}
+
+
+def run_ranks(client: RedisClient, run_id: str) -> list[int]:
+    """Every rank that registered a record stream for the run (sorted; do not modify the list).
+
+    Ranks are only ever added to the set, so the members are re-read only when ``SCARD`` changed: the sweep, the
+    cross-rank stage and the quiet check ask every period, and 16,384 members cost ~50 ms to parse each time.
+    """
+    key = keys.ranks(run_id)
+    cached = _RUN_RANKS.get((id(client), run_id))
+    if cached is not None and cached[0] is client and int(client.scard(key)) == len(cached[1]):  # type: ignore[arg-type]
+        return cached[1]
+    members: Iterable[bytes] = client.smembers(key)  # type: ignore[assignment]
+    ranks = sorted(int(m) for m in members)
+    if len(_RUN_RANKS) > 4096:
+        _RUN_RANKS.clear()
+    _RUN_RANKS[(id(client), run_id)] = (client, ranks)
+    return ranks
+
+
 _STREAM_NAMES: dict[str, dict[int, bytes]] = {}
 
 
@@ -688,6 +707,12 @@ def _stream_names(run_id: str) -> dict[int, bytes]:
             _STREAM_NAMES.clear()
         names = _STREAM_NAMES[run_id] = {}
     return names
+
+
+def committed_clock(wall: float) -> float:
+    """The monotonic time of a commit made at wall time ``wall`` (in this or another process): a drain that recovers
+    from a snapshot keeps its commit cadence."""
+    return time.monotonic() - max(0.0, time.time() - wall)
 
 
 def _pack(state: Any) -> bytes:

@@ -53,7 +53,7 @@ from stability.detectors.causes import remedy
 from stability.errors import ConfigError, RecordError
 from stability.records import StepRecord, decode
 from stability.runstate import RUNNING, read_status
-from stability.worker.shards import run_ranks
+from stability.worker.drain import run_ranks
 from stability.worker.sinks import Sink
 
 __all__ = ["QuietCheck", "QuietConfig"]

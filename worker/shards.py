@@ -55,7 +55,16 @@ from stability.detectors.base import Finding
 from stability.detectors.engine import DiagnoserConfig, RunDiagnoser
 from stability.errors import ConfigError
 from stability.redis_url import RedisClient
-from stability.worker.drain import _EXTEND, _RELEASE, Drainer, SnapshotPolicy, _Batch, _Context, _LeaseLost
+from stability.worker.drain import (
+    _EXTEND,
+    _RELEASE,
+    Drainer,
+    SnapshotPolicy,
+    _Batch,
+    _Context,
+    _LeaseLost,
+    run_ranks,
+)
 from stability.worker.sinks import Sink
 
 __all__ = ["RedisVerdicts", "ShardDrainer", "decide_shard_size", "finalize_run", "id_key", "shard_size", "shards_of"]
@@ -109,27 +118,6 @@ def shards_of(ranks: Iterable[int], size: int) -> list[int]:
     if size < 1:
         raise ConfigError(f"shard_size must be >= 1, got {size}")
     return sorted({r // size for r in ranks})
-
-
-_RUN_RANKS: dict[tuple[int, str], tuple[RedisClient, list[int]]] = {}
-
-
-def run_ranks(client: RedisClient, run_id: str) -> list[int]:
-    """Every rank that registered a record stream for the run (sorted; do not modify the list).
-
-    Ranks are only ever added to the set, so the members are re-read only when ``SCARD`` changed: the sweep, the
-    cross-rank stage and the quiet check ask every period, and 16,384 members cost ~50 ms to parse each time.
-    """
-    key = keys.ranks(run_id)
-    cached = _RUN_RANKS.get((id(client), run_id))
-    if cached is not None and cached[0] is client and int(client.scard(key)) == len(cached[1]):  # type: ignore[arg-type]
-        return cached[1]
-    members: Iterable[bytes] = client.smembers(key)  # type: ignore[assignment]
-    ranks = sorted(int(m) for m in members)
-    if len(_RUN_RANKS) > 4096:
-        _RUN_RANKS.clear()
-    _RUN_RANKS[(id(client), run_id)] = (client, ranks)
-    return ranks
 
 
 def id_key(entry_id: bytes | str) -> tuple[int, int]:

@@ -32,9 +32,9 @@ from stability.redis_url import RedisClient, connect
 from stability.worker.advice import AdviceSink
 from stability.worker.app import app, settings
 from stability.worker.crossrank_stage import CrossRankStage
-from stability.worker.drain import Drainer, DrainResult, SnapshotPolicy
+from stability.worker.drain import Drainer, DrainResult, SnapshotPolicy, run_ranks
 from stability.worker.quiet import QuietCheck, QuietConfig
-from stability.worker.shards import ShardDrainer, decide_shard_size, run_ranks, shards_of
+from stability.worker.shards import ShardDrainer, decide_shard_size, shards_of
 from stability.worker.sinks import ArchiveSink, ConsoleSink, RedisFindingsSink, ReportSink, Sink, redis_meta
 from stability.worker.wandb_sink import WandbSink, _RunState
 
