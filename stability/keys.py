@@ -130,6 +130,12 @@ def shard_lock(run_id: str, shard: int | str) -> str:
     return f"{lock(run_id)}:{shard}"
 
 
+def shard_affinity(run_id: str, shard: int | str) -> str:
+    """The worker queue a shard's drains (``shard`` = :data:`CROSSRANK`: the cross-rank stage's runs) go to while
+    set (:mod:`stability.worker.tasks`, shard affinity)."""
+    return f"{shard_lock(run_id, shard)}:affinity"
+
+
 def shard_state(run_id: str, shard: int | str) -> str:
     """Detector snapshot of one shard (or of the cross-rank stage)."""
     return f"{state(run_id)}:{shard}"

@@ -346,7 +346,7 @@ def test_a_shard_drain_that_caught_up_routes_the_next_trigger_to_its_worker(
 
     monkeypatch.setattr(tasks, "client", lambda: redis_client)
     monkeypatch.setattr(tasks, "_OWN_QUEUE", ["stability.worker.w9@host"])
-    key = tasks.affinity_key("big", 3)
+    key = keys.shard_affinity("big", 3)
 
     def trigger() -> None:
         redis_client.delete(keys.shard_trigger("big", 3))

@@ -86,10 +86,10 @@ class WorkerSettings:
     snapshot_s: float = 5.0
     """Seconds between commits of a run (detector snapshot, acks, stream trim); see ``drain.SnapshotPolicy``."""
     snapshot_n: int = 5_000
+    """Entries processed after which a run is committed anyway."""
     snapshot_idle_s: float | None = None
     """A drain that caught up commits once this long has passed since the last commit (``SnapshotPolicy.idle_s``;
     None: ``snapshot_s``)."""
-    """Entries processed after which a run is committed anyway."""
     shard_size: int = 0
     """Ranks per shard for runs this worker starts draining (0: no sharding; see ``worker.shards``)."""
     sweeper: bool = True

@@ -108,8 +108,8 @@ def _trigger(marker: str, task: Any, *args: Any, affinity: str | None = None) ->
 # A shard drain that runs in another process than the previous one recovers from the snapshot and re-processes every
 # entry since it; with the tasks on one shared queue, that happens on about every other drain of a multi-worker
 # deployment. So each worker also consumes a queue of its own, and a shard drain that ended caught up (``idle``)
-# names that queue for the shard (``affinity_key``, expiring after AFFINITY_MS): the next trigger goes there, to the
-# process that holds the shard's detectors in memory. A drain that ran out of time (``timeout``: the worker is
+# names that queue for the shard (``keys.shard_affinity``, expiring after AFFINITY_MS): the next trigger goes there,
+# to the process that holds the shard's detectors in memory. A drain that ran out of time (``timeout``: the worker is
 # behind) names nothing, so the next trigger goes to the shared queue and any free worker takes the shard over; a
 # worker that dies stops renewing, so after AFFINITY_MS its shards go to the shared queue (a trigger already in its
 # queue is re-sent once the trigger marker expires, one lease later).
@@ -121,19 +121,13 @@ _OWN_QUEUE: list[str] = []
 """This worker's own queue (set when the worker starts)."""
 
 
-def affinity_key(run_id: str, shard: int | str) -> str:
-    """The worker queue a shard's drains (or, for :data:`~stability.keys.CROSSRANK`, the cross-rank stage's runs) go
-    to, while set (same hash slot as the shard's lease)."""
-    return f"{keys.shard_lock(run_id, shard)}:affinity"
-
-
 def _affine(run_id: str, shard: int | str, status: str) -> None:
     if not _OWN_QUEUE:
         return
     if status == "idle":
-        client().set(affinity_key(run_id, shard), _OWN_QUEUE[0], px=AFFINITY_MS)
+        client().set(keys.shard_affinity(run_id, shard), _OWN_QUEUE[0], px=AFFINITY_MS)
     elif status == "timeout":
-        client().delete(affinity_key(run_id, shard))
+        client().delete(keys.shard_affinity(run_id, shard))
 
 
 @signals.celeryd_after_setup.connect  # type: ignore[untyped-decorator]
@@ -158,9 +152,9 @@ def sweep() -> int:
             continue
         for shard in shards_of(run_ranks(client(), run_id), size):
             sent += _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size,
-                             affinity=affinity_key(run_id, shard))
+                             affinity=keys.shard_affinity(run_id, shard))
         sent += _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size,
-                         affinity=affinity_key(run_id, keys.CROSSRANK))
+                         affinity=keys.shard_affinity(run_id, keys.CROSSRANK))
     check, quiet_sinks = quiet_check()
     check.sweep(client(), [raw.decode() for raw in sorted(members)], quiet_sinks)  # all ranks silent: a hang
     return sent
@@ -280,7 +274,7 @@ def drain_shard(run_id: str, shard: int, size: int) -> str:
     _affine(run_id, shard, result.status)
     if result.processed:  # new summaries: the cross-rank stage now, not at the next sweep
         _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size,
-                 affinity=affinity_key(run_id, keys.CROSSRANK))
+                 affinity=keys.shard_affinity(run_id, keys.CROSSRANK))
     return result.status
 
 
@@ -297,5 +291,5 @@ def crossrank(run_id: str, size: int) -> str:
     if result.processed:  # more steps decided: the shards release their held findings now, not at the next sweep
         for shard in shards_of(run_ranks(client(), run_id), size):
             _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size,
-                     affinity=affinity_key(run_id, shard))
+                     affinity=keys.shard_affinity(run_id, shard))
     return result.status
