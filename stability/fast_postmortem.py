@@ -39,6 +39,8 @@ import numpy as np
 from stability.detectors.base import BACKOFF, STEP_STATISTICS
 from stability.detectors.engine import DiagnoserConfig
 from stability.detectors.history import TRACKED_QUANTITIES, History
+from stability.detectors.update import LAYER_GRAD
+from stability.detectors.vanish import VanishConfig
 from stability.records import StepRecord, split_signal
 from stability.sources._model import LogEvent
 from stability.sources.columnar import ColumnarCsv
@@ -48,12 +50,13 @@ if TYPE_CHECKING:
 
 __all__ = ["ColumnHistory", "analyze_columns", "quiet_columns", "skipped_rows"]
 
-JUMP_LOG = math.log(20.0)
-"""``LAYER_GRAD.factor``: the per-layer gradient jump the screen must exclude."""
-JUMP_WINDOW, JUMP_MIN = 32, 8
-VANISH_LOG = math.log(100.0)
-VANISH_WINDOW, VANISH_MIN = 64, 16
-LAYERS_LOG = math.log(1e4)
+JUMP_LOG = math.log(LAYER_GRAD.factor)
+"""The per-layer gradient jump the screen must exclude (the screen holds only for the default settings, which
+:func:`_config_matches` checks; the constants are read from them)."""
+JUMP_WINDOW, JUMP_MIN = LAYER_GRAD.window, LAYER_GRAD.min_points
+VANISH_LOG = math.log(VanishConfig().factor)
+VANISH_WINDOW, VANISH_MIN = VanishConfig().window, VanishConfig().min_points
+LAYERS_LOG = math.log(VanishConfig().layer_factor)
 _MARGIN = 1e-6
 REPORT_SPAN = 128
 """Steps around an incident's onset whose records keep every column for the report."""
