@@ -195,8 +195,8 @@ def to_device(host: torch.Tensor, out: torch.device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    """A float32 vector of ``values`` on ``device``, made once (the element counts of a model's activations are
-    the same every sampled step; only read, never written)."""
+    """A float32 vector of ``values`` on ``device``, made once (Adam's betas, the element counts of a model's
+    activations: the same every sampled step; only read, never written)."""
     return to_device(torch.tensor(values, dtype=torch.float32), device)
 
 
