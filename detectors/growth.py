@@ -224,6 +224,8 @@ class _VectorGrowth:
         for size in [0, *spans]:
             if size == 0:  # the cumulative rise since the window's lowest level (a slow, steady growth)
                 hit = self._cumulative(name, quantity, value, win)
+                if hit is LEARNING:
+                    return LEARNING
                 xs = win.x[-int(hit[2]["points"]):] if hit is not None else win.x  # (points after the warm-up gate)
             else:
                 xs = win.x[-size:]
@@ -241,7 +243,9 @@ class _VectorGrowth:
     def _cumulative(self, name: str, quantity: str, value: float,
                     win: Window) -> tuple[float, str, dict[str, float]] | None:
         """A rise of ``growth`` from the lowest ``smooth``-record median of the window to the latest one, steady
-        since that low (Mann-Kendall z >= ``trend_z``): a slow growth no fitted line reaches 4x on."""
+        since that low (Mann-Kendall z >= ``trend_z``): a slow growth no fitted line reaches 4x on. :data:`LEARNING`
+        when the rise up to the last ``short_window`` points came while the loss fell and the rest is under
+        ``growth``."""
         cfg = self.config
         if quantity == "logit_z" or len(win) < cfg.mid_window:
             return None
@@ -262,6 +266,8 @@ class _VectorGrowth:
             return None
         if medians[-1] - medians[max(low, len(medians) - 1 - cfg.short_window)] > rise / 2:
             return None  # mostly a recent blow-up: the fitted short lines judge (and date) it
+        if self._learnt_then_jumped(xs, medians, low):
+            return LEARNING
         if mann_kendall_z(ys[low:]) < cfg.trend_z:
             return None
         # onset: the first point a quarter of the way up (in log) from the low, as for the fitted lines (a slow
@@ -272,6 +278,22 @@ class _VectorGrowth:
                         f"({safe_exp(medians[low]):.3g} -> {safe_exp(medians[-1]):.3g})",
                 {"factor": factor, "from": safe_exp(medians[low]), "to": safe_exp(medians[-1]), "onset": start,
                  "points": float(points)})
+
+    def _learnt_then_jumped(self, xs: np.ndarray, medians: np.ndarray, low: int) -> bool:
+        """The rise since ``low`` is a learning phase plus a later jump: split at the largest rise over ``smooth``
+        records, the part before it came while the loss fell and the part from it on is under ``growth``. Such a
+        rise is no slow growth (the loss spike after the jump hid the learning from :meth:`_judge`'s check over the
+        whole span and dated a "slow growth" from the learning phase: the demo's LR spike at step 240 once showed
+        onset 82)."""
+        cfg = self.config
+        k = cfg.smooth
+        if len(medians) - low <= k:
+            return False
+        jump = low + int(np.argmax(medians[low + k:] - medians[low:-k]))  # medians[jump] is the level before it
+        if jump == low or medians[-1] - medians[jump] >= math.log(cfg.growth):
+            return False
+        fell = self._loss_fell(float(xs[low]), float(xs[jump + k - 1]))
+        return fell is not None and fell >= cfg.learning_drop
 
     def _loss_fell(self, start: float, end: float) -> float | None:
         """How much the log loss fell over ``[start, end]`` (median of its first ``smooth`` points minus that of

@@ -183,6 +183,29 @@ def test_growth_during_warmup_is_quiet() -> None:
     assert found(alerts, "attention_logit_growth") == []
 
 
+
+def test_logits_grown_while_learning_do_not_date_a_later_blow_up() -> None:
+    """The demo's shape: attention logits grow 2.3x while the loss falls (learning), sit flat, then an LR spike blows
+    them up 2.3x more with a loss spike. The cumulative rise since the learning phase (5x) is no slow growth: the
+    incident starts at the spike (it once showed onset 82 for an LR spike at step 240)."""
+    n = 400
+    rng = np.random.default_rng(3)
+    t = np.arange(n, dtype=float)
+    lr = np.minimum(1.0, (t + 1) / 30.0) * 3e-3
+    lr[240:242] = 0.18
+    loss = (1.2 + 3.1 * np.exp(-np.maximum(t - 40, 0) / 35.0)) * np.exp(rng.normal(0, 0.02, n))
+    loss[241:] *= 1.0 + 4.2 * np.exp(-(t[241:] - 241) / 30.0)
+    logit = np.interp(t, [0, 40, 60, 120, 241, 243, n], [2.0, 3.0, 7.4, 17.0, 17.5, 40.0, 40.0])
+    s = {"loss": loss, "lr": lr, "grad_norm": np.exp(rng.normal(0, 0.1, n)),
+         "attn_logit_max/blocks.0": logit * np.exp(rng.normal(0, 0.04, n))}
+    alerts, diag = diagnose(to_records(s))
+    assert any(a.kind == "loss_spike" for a in alerts), alerts
+    assert [f for f in (f for i in diag.incidents for f in i.findings)
+            if f.kind == "attention_logit_growth" and f.onset < 240] == []
+    [incident] = [i for i in diag.incidents if "loss_spike" in i.kinds]
+    assert 240 <= incident.onset <= 242, [(f.kind, f.onset, f.message) for f in incident.findings]
+
+
 # --- plateau -------------------------------------------------------------------------------------------------------
 
 
