@@ -14,7 +14,8 @@ the first opens with a zero-length ``restart`` phase. Within a segment:
 3. Labels, in this order:
 
    * **warm-up** (from the segment's start only): until the LR stops rising (it reaches 95 % of its peak, when
-     the LR climbs at least 2x from the start), and / or until the first steep loss drop is 80 % done, when the
+     the LR climbs at least 2x from the start; the peak of its 9-point running median, so an LR spike of up to 4
+     points is no end of the warm-up), and / or until the first steep loss drop is 80 % done, when the
      loss falls by at least :attr:`PhaseConfig.warmup_drop` (log units) with that 80 % reached in the first half
      of the segment;
    * **divergence**: a piece whose level is at least ``max(divergence_rise, 6 noise)`` above the best (lowest)
@@ -204,9 +205,10 @@ def _warmup_end(records: Sequence[StepRecord], steps: np.ndarray, first: np.ndar
     lr_ok = np.isfinite(lr)
     lr_steps, lr = lr_steps[lr_ok], lr[lr_ok]
     if len(lr) >= 3 and lr.max() > 0:
-        peak = float(lr.max())
+        level = _running_median(lr, 9)  # an LR spike of a few steps (a fault) is no peak of the schedule
+        peak = float(level.max())
         if lr[0] * 2 <= peak:
-            reach = int(lr_steps[int(np.argmax(lr >= 0.95 * peak))])
+            reach = int(lr_steps[int(np.argmax(level >= 0.95 * peak))])
             if reach < int(steps[-1]):
                 ends.append((int(np.searchsorted(last, reach)) + 1,
                              f"LR rises {lr[0]:.3g} -> {peak:.3g} until step {reach}"))

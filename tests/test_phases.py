@@ -53,6 +53,20 @@ def test_clean_curve_is_warmup_then_stable() -> None:
     assert phases[0].loss_start is not None and phases[0].loss_start > 8
 
 
+
+def test_an_lr_spike_after_the_warm_up_does_not_extend_it() -> None:
+    """The demo's LR fault: the LR is 60x its plateau for 3 steps at step 1000, long after a 100-step warm-up. The
+    warm-up ends with the schedule's rise (it once ran until the spike: "LR rises ... -> 0.018 until step 1000")."""
+    lrs = [min(1.0, (s + 1) / 100) * 3e-4 for s in range(1500)]
+    lrs[1000:1003] = [0.018] * 3
+    losses = curve(1500)
+    losses[1001:1040] = [x * 4 for x in losses[1001:1040]]
+    phases = segment_phases(records(losses, lrs))
+    warm = phases[0]
+    assert warm.label == "warm-up" and 99 <= warm.last_step <= 300, phases
+    assert "-> 0.0003 until step 94" in warm.evidence and "0.018" not in warm.evidence, warm.evidence
+    assert "divergence" in labels(phases), phases
+
 def test_loss_creeping_up_is_degradation_and_blowing_up_is_divergence() -> None:
     rng = random.Random(1)
     flat = [3.0 + rng.gauss(0, 0.01) for _ in range(400)]
