@@ -172,6 +172,20 @@ class Rings:
             self.count[rows] += self.count[rows] < size
         self.end = end + 1
 
+    def push_all(self, x: float, y: np.ndarray, *, full: bool = False) -> None:
+        """:meth:`push` to every row (``y`` in row order); ``full``: every row already holds ``size`` points."""
+        n_rows, size, end = self.rows, self.size, self.end
+        if end == self.cols:
+            self.x[:n_rows, :size] = self.x[:n_rows, end - size : end]
+            self.y[:n_rows, :size] = self.y[:n_rows, end - size : end]
+            end = size
+        self.x[:n_rows, end] = x
+        self.y[:n_rows, end] = y
+        if not full:
+            count = self.count[:n_rows]
+            count += count < size
+        self.end = end + 1
+
     def clear(self, row: int) -> None:
         """Forget every point of ``row``."""
         self.count[row] = 0

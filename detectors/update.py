@@ -58,7 +58,8 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._modules import schema_of
+from stability.detectors._jumprows import Jump, JumpRows, JumpSettings
+from stability.detectors._modules import VECTOR_MIN, schema_of
 from stability.detectors._rolling import FastBaseline, level_lower_bound
 from stability.detectors._stats import median, pack_floats, safe_exp, unpack_floats
 from stability.detectors.base import Finding, Severity
@@ -130,6 +131,9 @@ class LayerJumpDetector:
         self.name = self.config.name
         self.kind = self.config.kind
         self._series: dict[str, _Series] = {}
+        """The per-value bank (records with few series; empty while :attr:`_rows` holds the series)."""
+        self._rows: JumpRows | None = None
+        """The vectorised bank (records with at least :data:`~._modules.VECTOR_MIN` series), or None."""
         self._lr = LrTracker()
         self._pending: dict[str, Any] | None = None
         """A jump waiting for its series' next record (``confirm``): step, rank, host, jumps, levels."""
@@ -190,11 +194,30 @@ class LayerJumpDetector:
         self._lr.update(record.step, record.get("lr"))
         warming = self._lr.in_warmup(record.step, cfg.warmup_gate)
         shift = self._lr_unit(record.get("lr")) if cfg.per_lr else 0.0
-        jumps: list[tuple[float, str, float, float, float]] = []
-        levels: dict[str, float] = {}
+        names = schema_of(record).series(cfg.quantity, cfg.modules_only)  # (the record's, in its order)
+        if not names:
+            return None
+        wide = len(names) >= VECTOR_MIN
+        if wide != (self._rows is not None):
+            self._switch(wide)
         log_factor = math.log(cfg.factor)
+        if self._rows is not None:
+            jumps, levels = self._rows.judge(record, names, shift, warming, log_factor)
+        else:
+            jumps, levels = self._judge_each(record, names, shift, warming, log_factor)
+        if not jumps:
+            return None
+        return {"step": record.step, "rank": record.rank, "host": record.host, "jumps": [list(j) for j in jumps],
+                "levels": levels}
+
+    def _judge_each(self, record: StepRecord, names: list[str], shift: float, warming: bool,
+                    log_factor: float) -> tuple[list[Jump], dict[str, float]]:
+        """The per-value bank: each series of the record judged and accepted in turn (record order)."""
+        cfg = self.config
+        jumps: list[Jump] = []
+        levels: dict[str, float] = {}
         signals = record.signals
-        for name in schema_of(record).series(cfg.quantity, cfg.modules_only):  # (the record's, in its order)
+        for name in names:
             value = signals[name]
             if not (value > 0 and math.isfinite(value)):
                 continue
@@ -221,10 +244,32 @@ class LayerJumpDetector:
                 jumps.append((ratio, name, value, safe_exp(pred.level + shift), z))
                 levels[name] = pred.level + shift
             series.quiet = cfg.cooldown
-        if not jumps:
-            return None
-        return {"step": record.step, "rank": record.rank, "host": record.host, "jumps": [list(j) for j in jumps],
-                "levels": levels}
+        return jumps, levels
+
+    def _switch(self, wide: bool) -> None:
+        """Move the series to the vectorised bank (``wide``) or back to the per-value one (same state)."""
+        series = self._series_state()
+        self._load_series(series, wide)
+
+    def _series_state(self) -> dict[str, Any]:
+        if self._rows is not None:
+            return self._rows.state()
+        return {n: {"base": s.base.state_dict(), "quiet": s.quiet} for n, s in self._series.items()}
+
+    def _load_series(self, series: dict[str, Any], wide: bool) -> None:
+        cfg = self.config
+        self._series = {}
+        self._rows = None
+        if wide:
+            self._rows = JumpRows(JumpSettings(window=cfg.window, min_points=cfg.min_points, factor=cfg.factor,
+                                               z_threshold=cfg.z_threshold, scale_floor=cfg.scale_floor,
+                                               cooldown=cfg.cooldown, max_series=cfg.max_series))
+            self._rows.load(series)
+            return
+        for name, st in series.items():
+            s = self._series[name] = _Series(cfg)
+            s.base.load_state_dict(st["base"])
+            s.quiet = int(st["quiet"])
 
     def _lr_unit(self, lr: float) -> float:
         """log of the LR that explains this record's step size: the logged LR while it follows its schedule,
@@ -243,16 +288,11 @@ class LayerJumpDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
-        return {"series": {n: {"base": s.base.state_dict(), "quiet": s.quiet} for n, s in self._series.items()},
-                "lr": self._lr.state_dict(), "pending": self._pending}
+        return {"series": self._series_state(), "lr": self._lr.state_dict(), "pending": self._pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
-        self._series = {}
-        for name, st in state["series"].items():
-            series = self._series[name] = _Series(self.config)
-            series.base.load_state_dict(st["base"])
-            series.quiet = int(st["quiet"])
+        self._load_series(state["series"], self._rows is not None)
         self._lr.load_state_dict(state["lr"])
         self._pending = state.get("pending")
 
