@@ -40,12 +40,26 @@ class AdamRows:
         self._index: dict[str, int] = {}
         self._own = np.zeros((0, size))
         self._pushes = np.zeros(0, dtype=np.int64)
-        """Values appended to each row (its ring's next slot is ``pushes % size``)."""
+        """Values appended to each row (its ring's next slot is ``pushes % size``); stale while :attr:`_common`
+        is set."""
+        self._common: int | None = 0
+        """The push count of every row when they are all equal (the common case: one column store), else None."""
         self._peak = np.zeros(0)
         self._plans: dict[Schema, np.ndarray] = {}
         """Layout whose every series has a row -> their positions in row order."""
 
+    def _sync(self) -> None:
+        """Write :attr:`_common` back to every row's push count (before a per-row read or change)."""
+        if self._common is not None:
+            self._pushes[: len(self._names)] = self._common
+
+    def _settle(self) -> None:
+        """Set :attr:`_common` again if every row has the same push count."""
+        pushes = self._pushes[: len(self._names)]
+        self._common = int(pushes[0]) if len(pushes) and bool((pushes == pushes[0]).all()) else None
+
     def _add(self, name: str) -> int:
+        self._sync()
         row = len(self._names)
         if row == len(self._peak):
             cap = row + max(8, row // 4)
@@ -57,6 +71,7 @@ class AdamRows:
         self._pushes[row] = 0
         self._peak[row] = 0.0
         self._plans.clear()
+        self._common = None  # (the caller settles it)
         return row
 
     def own(self, name: str) -> np.ndarray | None:
@@ -64,6 +79,7 @@ class AdamRows:
         row = self._index.get(name)
         if row is None:
             return None
+        self._sync()
         return self._own[row, : min(int(self._pushes[row]), self.size)].copy()
 
     def peak(self, name: str) -> float:
@@ -88,12 +104,17 @@ class AdamRows:
         if len(pos) != len(self._names):
             return False
         v = values[pos]
-        if not (v.max() < least and v.min() > -math.inf):
+        listed = v.tolist()
+        if not (max(listed) < least and math.isfinite(sum(listed))):  # (a NaN or an infinity makes the sum one)
             return False
         n = len(self._names)
-        pushes = self._pushes[:n]
-        self._own[np.arange(n), pushes % self.size] = v
-        pushes += 1
+        if self._common is not None:
+            self._own[:n, self._common % self.size] = v
+            self._common += 1
+        else:
+            pushes = self._pushes[:n]
+            self._own[np.arange(n), pushes % self.size] = v
+            pushes += 1
         peak = self._peak[:n] * self.decay
         self._peak[:n] = np.where(v > peak, v, peak)  # (Python's max(peak, v): v only when larger)
         return True
@@ -101,6 +122,8 @@ class AdamRows:
     def judge_each(self, record: StepRecord, names: list[str], quiet: dict[str, int], cooldown: int,
                    least: float, threshold: Callable[[str], float]) -> list[tuple[float, str]]:
         """The detector's per-value loop on these rows (see ``AdamLagDetector.update``): the lags."""
+        self._sync()
+        self._common = None  # (per-row counts below; settled at the end)
         lags = []
         signals = record.signals
         for name in names:  # (the record's, in its order)
@@ -122,10 +145,12 @@ class AdamRows:
                 self._own[row, int(self._pushes[row]) % self.size] = value
                 self._pushes[row] += 1
                 self._peak[row] = max(float(self._peak[row]) * self.decay, value)
+        self._settle()
         return lags
 
     def state(self) -> tuple[dict[str, bytes], dict[str, float]]:
         """The per-value bank's ``own`` and ``peak`` states."""
+        self._sync()
         own = {}
         for row, name in enumerate(self._names):
             n = int(self._pushes[row])
@@ -143,3 +168,4 @@ class AdamRows:
             self._own[row, kept % self.size] = values[kept]
             self._pushes[row] = n
             self._peak[row] = float(peak[name])
+        self._settle()
