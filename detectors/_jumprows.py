@@ -119,16 +119,16 @@ class JumpRows:
         x = record.step
         if (plan.complete and self._all_full and self._fast_ok and not self._any_bad and len(plan.rows) == self._rings.rows
                 and x - self._x_hi >= 1.0 and math.isfinite(shift)):
-            v = values[plan.pos_by_row]
-            if v.min() > 0 and v.max() < math.inf and self._fast(v, x, shift, log_factor):
+            listed = values[plan.pos_by_row].tolist()
+            if min(listed) > 0 and math.isfinite(sum(listed)) and self._fast(listed, x, shift, log_factor):
                 return [], {}
         return self._general(record, schema, plan, values, shift, warming, log_factor)
 
-    def _fast(self, v: np.ndarray, x: int, shift: float, log_factor: float) -> bool:
-        """Every row has a value, a full regular window and a value the screen clears: accept them all (True);
-        else change nothing (False)."""
+    def _fast(self, listed: list[float], x: int, shift: float, log_factor: float) -> bool:
+        """Every row has a value (``listed``, row order), a full regular window and a value the screen clears:
+        accept them all (True); else change nothing (False)."""
         w = self.cfg.window
-        y = log_list(v) - shift
+        y = np.array(list(map(math.log, listed))) - shift  # (math.log: the per-value path's exact logs)
         xs, ys = self._rings.slab(w)
         s = np.sort(ys, axis=1)
         bound = (0.5 * (s[:, (w - 1) // 2] + s[:, w // 2]) + (s[:, 0] - s[:, -1]) / (w // 2) * (x - xs[:, 0])) - _MARGIN
