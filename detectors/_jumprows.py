@@ -117,8 +117,8 @@ class JumpRows:
         schema, values = layout(record)
         plan = self._plan(schema, names)
         x = record.step
-        if (plan.complete and self._all_full and self._fast_ok and not self._any_bad and len(plan.rows) == self._rings.rows
-                and x - self._x_hi >= 1.0 and math.isfinite(shift)):
+        if (plan.complete and self._all_full and self._fast_ok and not self._any_bad
+                and len(plan.rows) == self._rings.rows and x - self._x_hi >= 1.0 and math.isfinite(shift)):
             listed = values[plan.pos_by_row].tolist()
             if min(listed) > 0 and math.isfinite(sum(listed)) and self._fast(listed, x, shift, log_factor):
                 return [], {}
@@ -163,7 +163,7 @@ class JumpRows:
         y = log_list(v[idx]) - shift
         rings = self._rings
         count = rings.count[rows]
-        xs, ys = rings.slab(cfg.window)
+        xs, _ = rings.slab(cfg.window)
         last_x = np.where(count > 0, xs[rows, -1], -math.inf)
         judged = count >= cfg.min_points
         below = np.zeros(len(rows), dtype=bool)
