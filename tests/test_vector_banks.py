@@ -19,7 +19,6 @@ import msgpack
 import pytest
 
 from stability.detectors import growth, update, vanish
-from stability.detectors._stats import unpack_window
 from stability.detectors.engine import RunDiagnoser
 from stability.records import StepRecord
 from tests import _vec_streams as vs
@@ -54,13 +53,7 @@ def _state(det: Any) -> Any:
     return _packed(state)
 
 
-def _plain(state: Any) -> Any:
-    if isinstance(state, dict):
-        if "yb" in state or ("x" in state and "y" in state and isinstance(state["x"], list)):
-            xs, ys = unpack_window(state)
-            return {"x": xs.tolist(), "y": ys.tolist()}
-        return {k: _plain(v) for k, v in state.items()}
-    return state
+_plain = vs.plain
 
 
 def _round_trip(det: Any, make: Callable[[], Any]) -> Any:
