@@ -199,9 +199,10 @@ class _VectorGrowth:
             y = v.copy()
             y[logs] = log_list(y[logs])
         else:
-            if not (v.min() > 0 and v.max() < math.inf):
+            listed = v.tolist()  # (Python's min and sum beat numpy reductions on ~40 values)
+            if not (min(listed) > 0 and math.isfinite(sum(listed))):  # (a NaN or an infinity makes the sum one)
                 return None
-            y = log_list(v)
+            y = np.array(list(map(math.log, listed)))  # (math.log: as log_list)
         hi, lo = self._push_range(y, float(record.step))
         far = 3.0 * (hi - lo) >= needed
         if not far.any():  # no growth possible anywhere (the exact shortcut of _judge)

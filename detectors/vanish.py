@@ -180,16 +180,16 @@ class _VectorVanishing:
         pos, is_module, modules = plan.by_row
         if len(pos) != self._rings.rows or not len(pos) or cfg.min_points > cfg.window:
             return False
-        gv = values[pos]
-        if not (gv.min() > 0 and gv.max() < math.inf):
+        grads = values[pos].tolist()  # (Python's min and sum beat numpy reductions on ~40 values)
+        if not (min(grads) > 0 and math.isfinite(sum(grads))):  # (a NaN or an infinity makes the sum one)
             return False
         if len(plan.ur_pos):
-            uv = values[plan.ur_pos]
+            ratios = values[plan.ur_pos].tolist()
             lr_ok = not math.isfinite(lr) or self._lr_peak <= 0 or lr >= cfg.lr_floor * self._lr_peak
-            least = float(uv.min())
-            if not (least > 0 and least >= (cfg.min_update_ratio if lr_ok else 0.0) and uv.max() < math.inf):
+            least = min(ratios)
+            if not (least > 0 and least >= (cfg.min_update_ratio if lr_ok else 0.0) and math.isfinite(sum(ratios))):
                 return False
-        y = log_list(gv)
+        y = np.array(list(map(math.log, grads)))  # (math.log: as log_list)
         _, ys = self._rings.slab(cfg.window)
         if not bool((y > ys.max(axis=1) - math.log(cfg.factor)).all()):
             return False
