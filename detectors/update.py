@@ -125,7 +125,13 @@ class _Series:
 
 
 class LayerJumpDetector:
-    """Streaming per-layer jump detector for one rank (see the module docstring)."""
+    """Streaming per-layer jump detector for one rank (see the module docstring).
+
+    Its series live in one of two banks with one state format: per series a ``FastBaseline`` (records with fewer
+    than :data:`~._modules.VECTOR_MIN` of its series: a Python loop is cheaper), or matrix rows screened for all
+    series at once (:class:`~._jumprows.JumpRows`); a record whose layout crosses that size moves them (no decision
+    changes).
+    """
 
     def __init__(self, config: LayerJumpConfig | None = None) -> None:
         self.config = config or UPDATE_RATIO
@@ -381,7 +387,11 @@ def _lag_threshold(cfg: AdamLagConfig, name: str, own: np.ndarray | None, peak: 
 
 
 class AdamLagDetector:
-    """Streaming Adam second-moment lag detector for one rank (see the module docstring)."""
+    """Streaming Adam second-moment lag detector for one rank (see the module docstring).
+
+    The modules' own baselines live in dicts (records with fewer than :data:`~._modules.VECTOR_MIN` series) or in
+    matrix rows appended for all series at once (:class:`~._adamrows.AdamRows`); one state format.
+    """
 
     name = "adam_lag"
     kind = "adam_v_lag"

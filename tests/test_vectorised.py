@@ -21,9 +21,9 @@ from tests import _vec_streams as vs
 
 REFERENCE = json.loads(vs.FIXTURE.read_text())
 VECTORISED = [d for d in vs.DETECTORS if d.startswith(("vanish", "growth"))]
-"""The configurations of the vectorised detectors (the per-layer jump and Adam-lag detectors kept their per-value
-code with its exact fast paths, being as fast at 40 modules; they now loop over their own series of the record's
-layout instead of every signal: the first test covers them too)."""
+"""The configurations whose state round trips are checked here (the per-layer jump and Adam-lag detectors'
+vectorised banks are pinned to their per-value paths by ``tests/test_vector_banks.py``; the first test covers
+them too)."""
 STREAMS = dict(vs.streams())
 
 
