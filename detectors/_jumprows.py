@@ -242,8 +242,8 @@ class JumpRows:
             xs, ys = unpack_window(st["base"])
             self._rings.load_row(row, st["base"])
             self._quiet[row] = int(st["quiet"])
-            flags = ~np.isfinite(ys)
-            flags[1:] |= ~((xs[1:] - xs[:-1]) >= 1.0)
+            flags = ~np.isfinite(ys)  # (as SortedWindow.push flags them, the first point after -inf)
+            flags |= ~((xs - np.concatenate(([-math.inf], xs[:-1]))) >= 1.0)
             bad = np.flatnonzero(flags)
             if len(bad):
                 self._bad[row] = max(0, w - (len(ys) - 1 - int(bad[-1])))

@@ -11,14 +11,19 @@ one where whole quantities drop out for a while. The engine case runs the whole 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 
 from stability.detectors import growth, update, vanish
+from stability.detectors._jumprows import JumpRows, JumpSettings
+from stability.detectors._rolling import FastBaseline
+from stability.detectors._stats import pack_window
 from stability.detectors.engine import RunDiagnoser
 from stability.records import StepRecord
 from tests import _vec_streams as vs
@@ -142,3 +147,30 @@ def test_the_engine_is_the_same_on_both_paths() -> None:
             traces[path] = out
     assert traces["vectorised"] == traces["per-series"]
     assert any("kind" in x for x in traces["per-series"] if isinstance(x, dict))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_loaded_window_is_regular_exactly_when_the_sorted_window_is(seed: int) -> None:
+    """Regularity (the screen's premise) after a load and after pushes, against ``SortedWindow.regular``."""
+    rng = np.random.default_rng(seed)
+    cfg = JumpSettings(window=6, min_points=2, factor=10.0, z_threshold=6.0, scale_floor=0.05, cooldown=3,
+                       max_series=4)
+    for _ in range(40):
+        n = int(rng.integers(1, 12))
+        xs = np.cumsum(rng.choice([0.0, 0.5, 1.0, 1.0, 3.0], n)).tolist()
+        ys = rng.normal(size=n).tolist()
+        if rng.random() < 0.3:
+            (xs if rng.random() < 0.5 else ys)[int(rng.integers(n))] = math.nan
+        bank = JumpRows(cfg)
+        bank.load({"a": {"base": pack_window(xs, ys), "quiet": 0}})
+        ref = FastBaseline(window=6, min_points=2, scale_floor=0.05)
+        ref.load_state_dict(pack_window(xs, ys))
+        for _ in range(8):
+            assert (int(bank._bad[0]) == 0) == ref.regular
+            x = (ref.last_x if math.isfinite(ref.last_x) else 0.0) + float(rng.choice([0.0, 1.0, 2.0]))
+            y = float(rng.normal())
+            last = bank._rings.row(0)[0]
+            bank._push(np.array([0]), np.array([y]), np.array([last[-1] if len(last) else -math.inf]), x)
+            ref.accept(x, y)
+            assert bank._rings.row_state(0) == ref.state_dict()  # (packed: NaNs compare by their bits)
+        assert bank.state() == {"a": {"base": ref.state_dict(), "quiet": 0}}
