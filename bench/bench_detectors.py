@@ -3,10 +3,11 @@
 ``OMP_NUM_THREADS=1 python bench/bench_detectors.py`` builds ``bench/_records.py`` records (one rank, 40 modules
 = 206 signals per record, and 3 modules = 21 signals) and times, in CPU seconds (best of ``--repeat``):
 
-* the vanishing-gradient and growth detectors alone, forced onto their per-value path (the baseline: the code
-  these detectors ran before) and onto their vectorised path (``VECTOR_MIN``), and with the default switch;
-* the whole suite (``RunDiagnoser.update``) with those two detectors on each path (the rest of the suite is the
-  same code in all three columns);
+* the vanishing-gradient, growth, per-layer jump (``layer_grad``) and Adam-lag detectors alone, forced onto their
+  per-value path (the baseline: the code these detectors ran before) and onto their vectorised path
+  (``VECTOR_MIN``), and with the default switch;
+* the whole suite (``RunDiagnoser.update``) with those detectors on each path (the rest of the suite is the same
+  code in all three columns);
 * ``records.decode`` of the same records, checking every signal name on every record (as before) and once.
 
 It prints microseconds per record and the ratio to the per-value baseline. The findings of both paths are the same
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _records import RecordFactory
 
 from stability import records as records_module
-from stability.detectors import growth, vanish
+from stability.detectors import growth, update, vanish
 from stability.detectors.engine import RunDiagnoser
 from stability.records import StepRecord, decode, encode
 
@@ -56,17 +57,19 @@ def main() -> None:
         records = [factory.record(s, 1000.0 + s) for s in range(args.steps)]
         print(f"{factory.signal_count} signals per record ({modules} modules), us per record (CPU), best of "
               f"{args.repeat}:")
-        cases: dict[str, Callable[[], Any]] = {"vanish": vanish.GradVanishingDetector,
-                                               "growth": growth.GrowthDetector, "whole suite": RunDiagnoser}
+        cases: dict[str, Callable[[], Any]] = {
+            "vanish": vanish.GradVanishingDetector, "growth": growth.GrowthDetector,
+            "layer jumps": lambda: update.LayerJumpDetector(update.LAYER_GRAD), "adam lag": update.AdamLagDetector,
+            "whole suite": RunDiagnoser}
         for label, make in cases.items():
             times = {}
             for path, least in PATHS.items():
-                vanish.VECTOR_MIN = growth.VECTOR_MIN = least
+                vanish.VECTOR_MIN = growth.VECTOR_MIN = update.VECTOR_MIN = least
                 times[path] = _cpu_per_record(make, records, 200, args.repeat)
             base = times["per-value"]
             print(f"  {label:12s} " + "  ".join(f"{k} {v:7.0f} ({base / v:4.2f}x)" for k, v in times.items())
                   + f"  -> {1e6 / times['default']:,.0f} records/CPU-s")
-        vanish.VECTOR_MIN = growth.VECTOR_MIN = PATHS["default"]
+        vanish.VECTOR_MIN = growth.VECTOR_MIN = update.VECTOR_MIN = PATHS["default"]
         blobs = [encode(r) for r in records]
         known = records_module._known_names
         rates = {}

@@ -151,26 +151,39 @@ class Rings:
         n_rows, size = self.rows, self.size
         if len(rows) == 0:
             return
-        end = self.end
+        if len(rows) == n_rows:  # every row (rows are distinct): one column
+            self.push_all(x, y)
+            return
+        end = self._room()
+        idle = np.ones(n_rows, dtype=bool)
+        idle[rows] = False
+        others = np.flatnonzero(idle)
+        self.x[others, end - size + 1 : end + 1] = self.x[others, end - size : end]
+        self.y[others, end - size + 1 : end + 1] = self.y[others, end - size : end]
+        self.x[rows, end] = x
+        self.y[rows, end] = y
+        self.count[rows] += self.count[rows] < size
+        self.end = end + 1
+
+    def push_all(self, x: float | np.ndarray, y: np.ndarray, *, full: bool = False) -> None:
+        """:meth:`push` to every row (``y`` in row order); ``full``: every row already holds ``size`` points."""
+        end = self._room()
+        n_rows = self.rows
+        self.x[:n_rows, end] = x
+        self.y[:n_rows, end] = y
+        if not full:
+            count = self.count[:n_rows]
+            count += count < self.size
+        self.end = end + 1
+
+    def _room(self) -> int:
+        """The column of the next push (the windows moved back to the buffer's start when it is used up)."""
+        end, size, n_rows = self.end, self.size, self.rows
         if end == self.cols:
             self.x[:n_rows, :size] = self.x[:n_rows, end - size : end]
             self.y[:n_rows, :size] = self.y[:n_rows, end - size : end]
             end = size
-        if len(rows) == n_rows:  # every row (rows are distinct): one column
-            self.x[:n_rows, end] = x
-            self.y[:n_rows, end] = y
-            count = self.count[:n_rows]
-            count += count < size
-        else:
-            idle = np.ones(n_rows, dtype=bool)
-            idle[rows] = False
-            others = np.flatnonzero(idle)
-            self.x[others, end - size + 1 : end + 1] = self.x[others, end - size : end]
-            self.y[others, end - size + 1 : end + 1] = self.y[others, end - size : end]
-            self.x[rows, end] = x
-            self.y[rows, end] = y
-            self.count[rows] += self.count[rows] < size
-        self.end = end + 1
+        return end
 
     def clear(self, row: int) -> None:
         """Forget every point of ``row``."""

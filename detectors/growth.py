@@ -119,6 +119,14 @@ class _VectorGrowth:
         self._quiet = np.zeros(0, dtype=np.int64)
         self._plans: dict[Schema, tuple[np.ndarray, list[str], list[str], np.ndarray, np.ndarray]] = {}
         """Layout -> (positions of growth series, names, quantities, is-logit_z, rows or -1)."""
+        self._by_row: dict[Schema, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]] = {}
+        """Layout whose every series has a row -> (plan index, position, is-logit_z, needed rise: in row order;
+        any logit_z) (:meth:`_fast`)."""
+        self._full = False
+        """Every row holds ``window`` points."""
+        self._range: tuple[np.ndarray, np.ndarray] | None = None
+        """Each row's window maximum and minimum, kept up to date by :meth:`_fast` (None: to recompute; any
+        other path drops it)."""
 
     def _plan(self, schema: Schema) -> tuple[np.ndarray, list[str], list[str], np.ndarray, np.ndarray]:
         plan = self._plans.get(schema)
@@ -156,6 +164,90 @@ class _VectorGrowth:
             self._loss.push(record.step, math.log(loss))
         if not len(pos):
             return []
+        if self._full and cfg.mid_window <= cfg.window:
+            found = self._fast(record, warming, schema, all_values)
+            if found is not None:
+                return found
+        found = self._general(record, warming, all_values, pos, names, quantities, is_z, plan_rows)
+        self._full = bool((self._rings.count[: self._rings.rows] == cfg.window).all())
+        return found
+
+    def _fast(self, record: StepRecord, warming: bool, schema: Schema, all_values: np.ndarray) -> list[Finding] | None:
+        """The common record: every row has a usable value and a full window (one column store, the range
+        shortcut for all rows at once); None (nothing changed) for any other."""
+        cfg = self.config
+        fast = self._by_row.get(schema)
+        if fast is None:
+            pos, _, _, is_z, plan_rows = self._plan(schema)
+            if not bool((plan_rows >= 0).all()):
+                return None
+            order = np.argsort(plan_rows, kind="stable")
+            if len(self._by_row) >= 64:
+                self._by_row.clear()
+            fast = self._by_row[schema] = (order, pos[order], is_z[order],
+                                           np.where(is_z[order], cfg.z_drift, math.log(cfg.growth)),
+                                           bool(is_z.any()))
+        order, pos, is_z, needed, any_z = fast
+        n = len(pos)
+        if n != self._rings.rows:
+            return None
+        v = all_values[pos]
+        if any_z:
+            logs = ~is_z
+            if not (bool(np.isfinite(v).all()) and bool((v[logs] > 0).all())):
+                return None
+            y = v.copy()
+            y[logs] = log_list(y[logs])
+        else:
+            listed = v.tolist()  # (Python's min and sum beat numpy reductions on ~40 values)
+            if not (min(listed) > 0 and math.isfinite(sum(listed))):  # (a NaN or an infinity makes the sum one)
+                return None
+            y = np.array(list(map(math.log, listed)))  # (math.log: as log_list)
+        hi, lo = self._push_range(y, float(record.step))
+        far = 3.0 * (hi - lo) >= needed
+        if not far.any():  # no growth possible anywhere (the exact shortcut of _judge)
+            quiet = self._quiet[:n]
+            quiet += 1
+            fired = self._fired[:n]
+            fired &= quiet < cfg.window
+            return []
+        near = np.flatnonzero(~far)
+        self._quiet[near] += 1
+        self._fired[near[self._quiet[near] >= cfg.window]] = False
+        judged = np.flatnonzero(far)
+        judged = judged[np.argsort(order[judged], kind="stable")]  # (record order, as the general path)
+        plan_pos, names, quantities, _, _ = self._plan(schema)
+        return self._judge_rows(record, warming, judged, np.arange(n), names, quantities, order,
+                                all_values[plan_pos])
+
+    def _push_range(self, y: np.ndarray, x: float) -> tuple[np.ndarray, np.ndarray]:
+        """Push ``y`` to every (full) row; each row's window maximum and minimum after it, updated from the
+        values in and out (exact: no arithmetic), recomputed for the rows whose extreme left the window."""
+        window = self.config.window
+        _, ys = self._rings.slab(window)
+        if self._range is None:
+            self._rings.push_all(x, y, full=True)
+            _, ys = self._rings.slab(window)
+            self._range = (ys.max(axis=1), ys.min(axis=1))
+            return self._range
+        hi, lo = self._range
+        out = ys[:, 0].copy()  # (the oldest points: the push drops them)
+        self._rings.push_all(x, y, full=True)
+        stale = np.flatnonzero((out >= hi) | (out <= lo))
+        np.maximum(hi, y, out=hi)
+        np.minimum(lo, y, out=lo)
+        if len(stale):
+            _, ys = self._rings.slab(window)
+            part = ys[stale]
+            hi[stale] = part.max(axis=1)
+            lo[stale] = part.min(axis=1)
+        return hi, lo
+
+    def _general(self, record: StepRecord, warming: bool, all_values: np.ndarray, pos: np.ndarray,
+                 names: list[str], quantities: list[str], is_z: np.ndarray, plan_rows: np.ndarray) -> list[Finding]:
+        """Any record: new series, unusable values, short windows."""
+        cfg = self.config
+        self._range = None
         values = all_values[pos]
         sel = np.flatnonzero(np.isfinite(values) & (is_z | (values > 0)))
         for i in sel[plan_rows[sel] < 0].tolist():
@@ -364,6 +456,8 @@ class _VectorGrowth:
         self._lr.load_state_dict(state["lr"])
         if "loss" in state:
             self._loss.load_state_dict(state["loss"])
+        self._full = bool((self._rings.count[: self._rings.rows] == self.config.window).all())
+        self._range = None
 
 
 class _Series:

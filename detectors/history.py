@@ -60,8 +60,9 @@ class Ring:
         """Name -> its row of the matrix (a view: do not keep it across a push, which may move the matrix)."""
         self.count = 0
         self._data = np.full((0, size), np.nan, dtype=np.float32)
-        self._plans: dict[int, tuple[list[str], np.ndarray, np.ndarray]] = {}
-        """id(name list) -> (the list, positions of the names that have a row, their rows)."""
+        self._plans: dict[int, tuple[list[str], np.ndarray, np.ndarray, np.ndarray | None]] = {}
+        """id(name list) -> (the list, positions of the names that have a row, their rows; the positions in row
+        order when the names cover every row, else None)."""
         self._warned = False
 
     def push(self, step: int, values: dict[str, float]) -> None:
@@ -79,15 +80,18 @@ class Ring:
                 if len(self._plans) >= 64:
                     self._plans.clear()
                 self._plans[id(names)] = plan
-        _, positions, rows = plan
+        _, positions, rows, every = plan
         slot = self.count % self.size
         self.steps[slot] = step
         data = self._data
-        data[:, slot] = np.nan
-        data[rows, slot] = values[positions]  # float64 -> float32: the same rounding as a scalar store
+        if every is not None:  # (every series has a value: one column store)
+            data[:, slot] = values[every]
+        else:
+            data[:, slot] = np.nan
+            data[rows, slot] = values[positions]  # float64 -> float32: the same rounding as a scalar store
         self.count += 1
 
-    def _plan(self, names: list[str]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    def _plan(self, names: list[str]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray | None]:
         """Rows of ``names`` (new series get new rows, in order, up to ``max_series``; later ones are ignored)."""
         new = [n for n in dict.fromkeys(names) if n not in self.series]
         room = self.max_series - len(self.series)
@@ -105,7 +109,10 @@ class Ring:
             self._plans.clear()
         index = {name: i for i, name in enumerate(self.series)}
         kept = [(i, index[n]) for i, n in enumerate(names) if n in index]
-        return (names, np.array([i for i, _ in kept], dtype=np.intp), np.array([r for _, r in kept], dtype=np.intp))
+        rows = {r: i for i, r in kept}  # (a repeated name: its last value, as the fancy store keeps)
+        every = np.array([rows[r] for r in range(len(index))], dtype=np.intp) if len(rows) == len(index) else None
+        return (names, np.array([i for i, _ in kept], dtype=np.intp), np.array([r for _, r in kept], dtype=np.intp),
+                every)
 
     def ordered(self, name: str | None = None) -> np.ndarray:
         """Steps (``name=None``) or the series ``name``, oldest first."""

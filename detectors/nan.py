@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from stability.detectors._modules import layout
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord
 
@@ -95,6 +96,11 @@ def _first_nonfinite(record: StepRecord) -> tuple[str, float] | None:
     reaches them within a step). Otherwise the first non-finite global signal in :data:`_CHECKED_GLOBALS` order,
     then ``nonfinite_grads > 0``.
     """
+    if math.isfinite(layout(record)[1].sum()):  # every signal is finite (a non-finite one makes the sum one)
+        count = record.signals.get("nonfinite_grads")
+        if count is not None and count > 0 and not record.get("skipped", 0.0) > 0:
+            return "nonfinite_grads", count
+        return None
     skipped = record.get("skipped", 0.0) > 0
     modules = [name for name, value in record.signals.items() if "/" in name and not math.isfinite(value)
                and not (skipped and name.partition("/")[0] in _BACKWARD)]

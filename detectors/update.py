@@ -58,7 +58,9 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._modules import schema_of
+from stability.detectors._adamrows import AdamRows
+from stability.detectors._jumprows import Jump, JumpRows, JumpSettings
+from stability.detectors._modules import VECTOR_MIN, schema_of
 from stability.detectors._rolling import FastBaseline, level_lower_bound
 from stability.detectors._stats import median, pack_floats, safe_exp, unpack_floats
 from stability.detectors.base import Finding, Severity
@@ -123,13 +125,22 @@ class _Series:
 
 
 class LayerJumpDetector:
-    """Streaming per-layer jump detector for one rank (see the module docstring)."""
+    """Streaming per-layer jump detector for one rank (see the module docstring).
+
+    Its series live in one of two banks with one state format: per series a ``FastBaseline`` (records with fewer
+    than :data:`~._modules.VECTOR_MIN` of its series: a Python loop is cheaper), or matrix rows screened for all
+    series at once (:class:`~._jumprows.JumpRows`); a record whose layout crosses that size moves them (no decision
+    changes).
+    """
 
     def __init__(self, config: LayerJumpConfig | None = None) -> None:
         self.config = config or UPDATE_RATIO
         self.name = self.config.name
         self.kind = self.config.kind
         self._series: dict[str, _Series] = {}
+        """The per-value bank (records with few series; empty while :attr:`_rows` holds the series)."""
+        self._rows: JumpRows | None = None
+        """The vectorised bank (records with at least :data:`~._modules.VECTOR_MIN` series), or None."""
         self._lr = LrTracker()
         self._pending: dict[str, Any] | None = None
         """A jump waiting for its series' next record (``confirm``): step, rank, host, jumps, levels."""
@@ -190,11 +201,30 @@ class LayerJumpDetector:
         self._lr.update(record.step, record.get("lr"))
         warming = self._lr.in_warmup(record.step, cfg.warmup_gate)
         shift = self._lr_unit(record.get("lr")) if cfg.per_lr else 0.0
-        jumps: list[tuple[float, str, float, float, float]] = []
-        levels: dict[str, float] = {}
+        names = schema_of(record).series(cfg.quantity, cfg.modules_only)  # (the record's, in its order)
+        if not names:
+            return None
+        wide = len(names) >= VECTOR_MIN
+        if wide != (self._rows is not None):
+            self._switch(wide)
         log_factor = math.log(cfg.factor)
+        if self._rows is not None:
+            jumps, levels = self._rows.judge(record, names, shift, warming, log_factor)
+        else:
+            jumps, levels = self._judge_each(record, names, shift, warming, log_factor)
+        if not jumps:
+            return None
+        return {"step": record.step, "rank": record.rank, "host": record.host, "jumps": [list(j) for j in jumps],
+                "levels": levels}
+
+    def _judge_each(self, record: StepRecord, names: list[str], shift: float, warming: bool,
+                    log_factor: float) -> tuple[list[Jump], dict[str, float]]:
+        """The per-value bank: each series of the record judged and accepted in turn (record order)."""
+        cfg = self.config
+        jumps: list[Jump] = []
+        levels: dict[str, float] = {}
         signals = record.signals
-        for name in schema_of(record).series(cfg.quantity, cfg.modules_only):  # (the record's, in its order)
+        for name in names:
             value = signals[name]
             if not (value > 0 and math.isfinite(value)):
                 continue
@@ -221,10 +251,32 @@ class LayerJumpDetector:
                 jumps.append((ratio, name, value, safe_exp(pred.level + shift), z))
                 levels[name] = pred.level + shift
             series.quiet = cfg.cooldown
-        if not jumps:
-            return None
-        return {"step": record.step, "rank": record.rank, "host": record.host, "jumps": [list(j) for j in jumps],
-                "levels": levels}
+        return jumps, levels
+
+    def _switch(self, wide: bool) -> None:
+        """Move the series to the vectorised bank (``wide``) or back to the per-value one (same state)."""
+        series = self._series_state()
+        self._load_series(series, wide)
+
+    def _series_state(self) -> dict[str, Any]:
+        if self._rows is not None:
+            return self._rows.state()
+        return {n: {"base": s.base.state_dict(), "quiet": s.quiet} for n, s in self._series.items()}
+
+    def _load_series(self, series: dict[str, Any], wide: bool) -> None:
+        cfg = self.config
+        self._series = {}
+        self._rows = None
+        if wide:
+            self._rows = JumpRows(JumpSettings(window=cfg.window, min_points=cfg.min_points, factor=cfg.factor,
+                                               z_threshold=cfg.z_threshold, scale_floor=cfg.scale_floor,
+                                               cooldown=cfg.cooldown, max_series=cfg.max_series))
+            self._rows.load(series)
+            return
+        for name, st in series.items():
+            s = self._series[name] = _Series(cfg)
+            s.base.load_state_dict(st["base"])
+            s.quiet = int(st["quiet"])
 
     def _lr_unit(self, lr: float) -> float:
         """log of the LR that explains this record's step size: the logged LR while it follows its schedule,
@@ -243,16 +295,11 @@ class LayerJumpDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
-        return {"series": {n: {"base": s.base.state_dict(), "quiet": s.quiet} for n, s in self._series.items()},
-                "lr": self._lr.state_dict(), "pending": self._pending}
+        return {"series": self._series_state(), "lr": self._lr.state_dict(), "pending": self._pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
-        self._series = {}
-        for name, st in state["series"].items():
-            series = self._series[name] = _Series(self.config)
-            series.base.load_state_dict(st["base"])
-            series.quiet = int(st["quiet"])
+        self._load_series(state["series"], self._rows is not None)
         self._lr.load_state_dict(state["lr"])
         self._pending = state.get("pending")
 
@@ -323,8 +370,28 @@ class _Ring:
         return np.roll(self.array(), -self._head)
 
 
+def _lag_threshold(cfg: AdamLagConfig, name: str, own: np.ndarray | None, peak: float) -> float:
+    """:meth:`AdamLagDetector._threshold` from the module's own values (any order; None: none yet) and peak."""
+    sparse = EMBEDDING_MODULE.search(split_signal(name)[1] or "") is not None
+    if own is None or len(own) < cfg.own_min_points:
+        return math.inf if sparse else cfg.lag
+    positive = own[own > 0]
+    sparse = sparse or len(positive) <= (1.0 - cfg.sparse_zeros) * len(own)
+    threshold = max(cfg.sparse_lag if sparse else cfg.lag, cfg.tail_factor * peak)
+    if len(positive) >= cfg.own_min_points:
+        logs = np.log(positive)
+        center = median(logs)
+        spread = max(1.4826 * median(np.abs(logs - center)), cfg.own_floor)
+        threshold = max(threshold, safe_exp(center + cfg.own_z * spread))
+    return threshold
+
+
 class AdamLagDetector:
-    """Streaming Adam second-moment lag detector for one rank (see the module docstring)."""
+    """Streaming Adam second-moment lag detector for one rank (see the module docstring).
+
+    The modules' own baselines live in dicts (records with fewer than :data:`~._modules.VECTOR_MIN` series) or in
+    matrix rows appended for all series at once (:class:`~._adamrows.AdamRows`); one state format.
+    """
 
     name = "adam_lag"
     kind = "adam_v_lag"
@@ -336,7 +403,13 @@ class AdamLagDetector:
         self._quiet: dict[str, int] = {}
         self._own: dict[str, _Ring] = {}
         self._peak: dict[str, float] = {}
-        """series -> its recent values that raised no alarm (its own baseline)."""
+        """series -> its recent values that raised no alarm (its own baseline), and their decaying peak: the
+        per-value bank (empty while :attr:`_rows` holds them)."""
+        self._rows: AdamRows | None = None
+        """The vectorised bank (records with at least :data:`~._modules.VECTOR_MIN` series), or None."""
+        self._rows_ok = True
+        """The state can move to the vectorised bank (``peak`` has the keys of ``own``: always, but for a
+        hand-made state)."""
 
     def _threshold(self, name: str) -> float:
         """The lag that alarms on ``name``: ``lag``, or more for a module whose own baseline is heavy-tailed or
@@ -344,45 +417,27 @@ class AdamLagDetector:
         least ``sparse_lag`` for a sparse-gradient module (no gradient, a ratio of 0, on ``sparse_zeros`` of its
         records: an MoE expert no token was routed to; or an embedding by name); an embedding whose own history is
         still too short: never."""
-        cfg = self.config
-        own = self._own.get(name)
-        sparse = EMBEDDING_MODULE.search(split_signal(name)[1] or "") is not None
-        if own is None or len(own) < cfg.own_min_points:
-            return math.inf if sparse else cfg.lag
-        values = own.array()
-        positive = values[values > 0]
-        sparse = sparse or len(positive) <= (1.0 - cfg.sparse_zeros) * len(values)
-        threshold = max(cfg.sparse_lag if sparse else cfg.lag, cfg.tail_factor * self._peak.get(name, 0.0))
-        if len(positive) >= cfg.own_min_points:
-            logs = np.log(positive)
-            center = median(logs)
-            spread = max(1.4826 * median(np.abs(logs - center)), cfg.own_floor)
-            threshold = max(threshold, safe_exp(center + cfg.own_z * spread))
-        return threshold
+        if self._rows is not None:
+            return _lag_threshold(self.config, name, self._rows.own(name), self._rows.peak(name))
+        ring = self._own.get(name)
+        return _lag_threshold(self.config, name, None if ring is None else ring.array(), self._peak.get(name, 0.0))
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
         cfg = self.config
         self._lr.update(record.step, record.get("lr"))
-        lags = []
         least = min(cfg.lag, cfg.sparse_lag)  # no threshold is lower: a value under it needs none computed
-        signals = record.signals
-        for name in schema_of(record).series("adam_v_ratio"):  # (the record's, in its order)
-            value = signals[name]
-            if not math.isfinite(value):
-                continue
-            quiet = self._quiet.get(name, 0)
-            threshold = self._threshold(name) if value >= least else math.inf
-            if value >= threshold and quiet == 0:
-                lags.append((value, name))
-            if value >= threshold or quiet:
-                self._quiet[name] = cfg.cooldown if value >= threshold else quiet - 1
-            if value < threshold and (name in self._own or len(self._own) < MAX_SERIES):
-                own = self._own.get(name)
-                if own is None:
-                    own = self._own[name] = _Ring(cfg.own_window)
-                own.append(value)
-                self._peak[name] = max(self._peak.get(name, 0.0) * 0.5 ** (1.0 / cfg.peak_half_life), value)
+        names = schema_of(record).series("adam_v_ratio")  # (the record's, in its order)
+        wide = len(names) >= VECTOR_MIN and self._rows_ok
+        if names and wide != (self._rows is not None):
+            own, peak = self._bank_state()
+            self._load_bank(own, peak, wide)
+        if self._rows is None:
+            lags = self._judge_each(record, names, least)
+        elif (self._quiet and any(self._quiet.values())) or not self._rows.append_all(record, names, least):
+            lags = self._rows.judge_each(record, names, self._quiet, cfg.cooldown, least, self._threshold)
+        else:
+            lags = []
         alarm = bool(lags) and not self._lr.in_warmup(record.step, cfg.warmup_gate)
         loss = record.get("loss")
         typical = median(np.fromiter(self._losses, dtype=np.float64)) if alarm and self._losses else math.nan
@@ -403,23 +458,62 @@ class AdamLagDetector:
                         message=message, detector=self.name, rank=record.rank, host=record.host, score=value,
                         evidence={"lag": value, "layers": float(len(lags))})]
 
+    def _judge_each(self, record: StepRecord, names: list[str], least: float) -> list[tuple[float, str]]:
+        """The per-value bank: each series of the record judged and appended in turn (record order)."""
+        cfg = self.config
+        lags = []
+        signals = record.signals
+        for name in names:
+            value = signals[name]
+            if not math.isfinite(value):
+                continue
+            quiet = self._quiet.get(name, 0)
+            threshold = self._threshold(name) if value >= least else math.inf
+            if value >= threshold and quiet == 0:
+                lags.append((value, name))
+            if value >= threshold or quiet:
+                self._quiet[name] = cfg.cooldown if value >= threshold else quiet - 1
+            if value < threshold and (name in self._own or len(self._own) < MAX_SERIES):
+                own = self._own.get(name)
+                if own is None:
+                    own = self._own[name] = _Ring(cfg.own_window)
+                own.append(value)
+                self._peak[name] = max(self._peak.get(name, 0.0) * 0.5 ** (1.0 / cfg.peak_half_life), value)
+        return lags
+
+    def _bank_state(self) -> tuple[dict[str, Any], dict[str, float]]:
+        if self._rows is not None:
+            return self._rows.state()
+        return {k: pack_floats(v.ordered()) for k, v in self._own.items()}, dict(self._peak)
+
+    def _load_bank(self, own: dict[str, Any], peak: dict[str, Any], wide: bool) -> None:
+        """Hold ``own`` and ``peak`` in the vectorised bank (``wide``) or the per-value one."""
+        cfg = self.config
+        self._rows, self._own, self._peak = None, {}, {}
+        self._rows_ok = list(own) == list(peak)
+        if wide and self._rows_ok:
+            self._rows = AdamRows(cfg.own_window, MAX_SERIES, 0.5 ** (1.0 / cfg.peak_half_life))
+            self._rows.load(own, peak)
+            return
+        for k, v in own.items():  # (float64 bytes, or the former lists)
+            ring = self._own[str(k)] = _Ring(cfg.own_window)
+            for x in unpack_floats(v).tolist():
+                ring.append(x)
+        self._peak = {str(k): float(v) for k, v in peak.items()}
+
     def finish(self) -> list[Finding]:
         """Nothing to flush."""
         return []
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
+        own, peak = self._bank_state()
         return {"lr": self._lr.state_dict(), "losses": list(self._losses), "quiet": dict(self._quiet),
-                "own": {k: pack_floats(v.ordered()) for k, v in self._own.items()}, "peak": dict(self._peak)}
+                "own": own, "peak": peak}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self._lr.load_state_dict(state["lr"])
         self._losses = deque((float(v) for v in state["losses"]), maxlen=self.config.loss_window)
         self._quiet = {str(k): int(v) for k, v in state["quiet"].items()}
-        self._own = {}
-        for k, v in state.get("own", {}).items():  # (float64 bytes, or the former lists)
-            ring = self._own[str(k)] = _Ring(self.config.own_window)
-            for x in unpack_floats(v).tolist():
-                ring.append(x)
-        self._peak = {str(k): float(v) for k, v in state.get("peak", {}).items()}
+        self._load_bank(state.get("own", {}), state.get("peak", {}), self._rows is not None)

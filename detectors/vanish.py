@@ -66,8 +66,8 @@ _MARGIN = 1e-9
 class _Plan:
     """This detector's view of one signal layout (positions in record order, sorted by name as the rules run)."""
 
-    __slots__ = ("grad_is_module", "grad_keys", "grad_names", "grad_pos", "layer_keys", "order", "ur_keys",
-                 "ur_names", "ur_pos")
+    __slots__ = ("by_row", "grad_is_module", "grad_keys", "grad_names", "grad_pos", "layer_keys", "order",
+                 "ur_keys", "ur_names", "ur_pos")
 
     def __init__(self, schema: Schema, keys: dict[str, int]) -> None:
         grads = sorted((schema.names[i], i) for i in schema.by_quantity.get("grad_norm", ()))
@@ -84,6 +84,9 @@ class _Plan:
         self.order = sorted([(n, _HISTORY, k) for k, n in enumerate(self.grad_names)]
                             + [(n, _FROZEN, k) for k, n in enumerate(self.ur_names)])
         """(name, kind, index) of the history and frozen series in name order: the order they are created in."""
+        self.by_row: tuple[np.ndarray, np.ndarray, int] | None = None
+        """Once every series of the layout has its key: the gradient norms' positions and is-module flags in ring
+        row order, and their number (:meth:`_VectorVanishing._fast`)."""
 
 
 class _VectorVanishing:
@@ -114,6 +117,10 @@ class _VectorVanishing:
         self._has_onset = np.zeros(0, dtype=bool)
         self._fired = np.zeros(0, dtype=bool)
         self._plans: dict[Schema, _Plan] = {}
+        self._calm = True
+        """No run under way: every key's run length is 0, without onset, not fired (:meth:`_fast`'s premise)."""
+        self._full = False
+        """Every ring row holds ``window`` points."""
 
     def _get(self, name: str, kind: int) -> int:
         """The key of series ``name``, created when new (-1 when ``max_series`` are tracked)."""
@@ -148,6 +155,54 @@ class _VectorVanishing:
             self._lr_peak = lr
         schema, values = layout(record)
         plan = self._plan(schema)
+        if self._calm and self._full and self._fast(record, plan, values, lr):
+            return []
+        found = self._update(record, plan, values, lr)
+        n = len(self._names)
+        self._calm = not (self._low[:n].any() or self._has_onset[:n].any() or self._fired[:n].any())
+        self._full = bool((self._rings.count[: self._rings.rows] == cfg.window).all())
+        return found
+
+    def _fast(self, record: StepRecord, plan: _Plan, values: np.ndarray, lr: float) -> bool:
+        """The common record, in a few numpy calls: every series has its key and a full window, no run is under
+        way, and every value is usable and clears every rule (no collapse against its history: over the window's
+        maximum less ``log(factor)``, which is at least its median less that; no frozen update; no layer
+        ``layer_factor`` under the median layer). Pushes the values and returns True; else changes nothing."""
+        cfg = self.config
+        if plan.by_row is None:
+            layers_keyed = int(plan.grad_is_module.sum()) < cfg.min_layers or bool(
+                (plan.layer_keys[plan.grad_is_module] >= 0).all())
+            if not ((plan.grad_keys >= 0).all() and (plan.ur_keys >= 0).all() and layers_keyed):
+                return False
+            rows = np.array([self._row[k] for k in plan.grad_keys.tolist()], dtype=np.int64)
+            order = np.argsort(rows, kind="stable")
+            plan.by_row = (plan.grad_pos[order], plan.grad_is_module[order], int(plan.grad_is_module.sum()))
+        pos, is_module, modules = plan.by_row
+        if len(pos) != self._rings.rows or not len(pos) or cfg.min_points > cfg.window:
+            return False
+        grads = values[pos].tolist()  # (Python's min and sum beat numpy reductions on ~40 values)
+        if not (min(grads) > 0 and math.isfinite(sum(grads))):  # (a NaN or an infinity makes the sum one)
+            return False
+        if len(plan.ur_pos):
+            ratios = values[plan.ur_pos].tolist()
+            lr_ok = not math.isfinite(lr) or self._lr_peak <= 0 or lr >= cfg.lr_floor * self._lr_peak
+            least = min(ratios)
+            if not (least > 0 and least >= (cfg.min_update_ratio if lr_ok else 0.0) and math.isfinite(sum(ratios))):
+                return False
+        y = np.array(list(map(math.log, grads)))  # (math.log: as log_list)
+        _, ys = self._rings.slab(cfg.window)
+        if not bool((y > ys.max(axis=1) - math.log(cfg.factor)).all()):
+            return False
+        if modules >= cfg.min_layers:
+            layers = y[is_module]
+            if median(layers) - float(layers.min()) >= math.log(cfg.layer_factor) - _MARGIN:
+                return False
+        self._rings.push_all(float(record.step), y, full=True)
+        return True
+
+    def _update(self, record: StepRecord, plan: _Plan, values: np.ndarray, lr: float) -> list[Finding]:
+        """Any record (see :meth:`update`)."""
+        cfg = self.config
         gv, uv = values[plan.grad_pos], values[plan.ur_pos]
         g_ok = np.flatnonzero(np.isfinite(gv) & (gv >= 0) & ~((gv == 0.0) & plan.grad_is_module))
         u_ok = np.flatnonzero(np.isfinite(uv) & (uv > 0))
@@ -310,6 +365,9 @@ class _VectorVanishing:
             self._has_onset[key] = onset is not None
             self._onset[key] = 0 if onset is None else int(onset)
         self._lr_peak = float(state["lr_peak"])
+        n = len(self._names)
+        self._calm = not (self._low[:n].any() or self._has_onset[:n].any() or self._fired[:n].any())
+        self._full = bool((self._rings.count[: self._rings.rows] == self.config.window).all())
 
 
 class GradVanishingDetector(SizeSwitch):

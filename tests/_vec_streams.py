@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from _records import RecordFactory
 
+from stability.detectors._stats import unpack_window
 from stability.detectors.base import Finding
 from stability.detectors.engine import RunDiagnoser
 from stability.detectors.growth import GrowthConfig, GrowthDetector
@@ -180,6 +181,18 @@ def _round(value: Any) -> Any:
     if isinstance(value, float):
         return value if not math.isfinite(value) or value == 0 else float(f"{value:.10g}")
     return value
+
+
+def plain(state: Any) -> Any:
+    """``state`` with every window (packed or the former lists) as lists of float x and y values."""
+    if isinstance(state, dict):
+        if "yb" in state or ("x" in state and "y" in state and isinstance(state["x"], list)):
+            xs, ys = unpack_window(state)
+            return {"x": xs.tolist(), "y": ys.tolist()}
+        return {k: plain(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [plain(v) for v in state]
+    return state
 
 
 def describe(finding: Finding) -> dict[str, Any]:

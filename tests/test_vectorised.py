@@ -16,27 +16,18 @@ import pytest
 
 from stability.detectors import growth, vanish
 from stability.detectors._modules import Rings, row_median
-from stability.detectors._stats import Window, median, unpack_window
+from stability.detectors._stats import Window, median
 from tests import _vec_streams as vs
 
 REFERENCE = json.loads(vs.FIXTURE.read_text())
 VECTORISED = [d for d in vs.DETECTORS if d.startswith(("vanish", "growth"))]
-"""The configurations of the vectorised detectors (the per-layer jump and Adam-lag detectors kept their per-value
-code with its exact fast paths, being as fast at 40 modules; they now loop over their own series of the record's
-layout instead of every signal: the first test covers them too)."""
+"""The configurations whose state round trips are checked here (the per-layer jump and Adam-lag detectors'
+vectorised banks are pinned to their per-value paths by ``tests/test_vector_banks.py``; the first test covers
+them too)."""
 STREAMS = dict(vs.streams())
 
 
-def _plain(state: Any) -> Any:
-    """``state`` with every window (packed or the former lists) as lists of float x and y values."""
-    if isinstance(state, dict):
-        if "yb" in state or ("x" in state and "y" in state and isinstance(state["x"], list)):
-            xs, ys = unpack_window(state)
-            return {"x": xs.tolist(), "y": ys.tolist()}
-        return {k: _plain(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_plain(v) for v in state]
-    return state
+_plain = vs.plain
 
 
 def _same(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
