@@ -209,3 +209,41 @@ def test_older_layouts_are_read_and_folded_into_segments(run_dir: Path) -> None:
     rows = [s for n in names[:2] for s in pq.read_table(archive / n).column("step").to_pylist()]
     assert sorted(rows) == list(range(12)) and len(rows) == 12  # the overlap of the two parts kept once
     assert steps_read(run_dir) == [(0, s) for s in range(12)] + [(1, s) for s in range(3)]
+
+
+def _table_per_value(run_id: str, batch: list[Entry]) -> Any:
+    """The archive table built value by value (the former ``archive_table``): the reference of the column-wise one."""
+    import pyarrow as pa
+
+    recs = [e.record for e in batch]
+    columns: dict[str, Any] = {
+        "run_id": pa.array([run_id] * len(recs), pa.string()),
+        "rank": pa.array([e.rank for e in batch], pa.int64()),
+        "step": pa.array([r.step for r in recs], pa.int64()),
+        "wall_time": pa.array([r.wall_time for r in recs], pa.float64()),
+        "host": pa.array([r.host for r in recs], pa.string()),
+        "batch": pa.array([r.batch for r in recs], pa.string()),
+        "entry_id": pa.array([e.entry_id for e in batch], pa.string()),
+    }
+    for name in sorted({name for r in recs for name in r.signals}):
+        column = f"signal:{name}" if name in columns else name
+        columns[column] = pa.array([r.signals.get(name) for r in recs], pa.float64())
+    return pa.table(columns)
+
+
+def test_column_wise_table_equals_the_per_value_one() -> None:
+    from stability.worker.sinks import archive_table
+
+    mixed = entries(range(0, 4), nan_at=2)  # 3 layouts, interleaved: nulls where a record lacks a signal
+    for i, entry in enumerate(entries(range(4, 10), signals=5)):
+        sig = dict(entry.record.signals)
+        if i % 2:
+            sig = {"step": -1.0, "lr": math.inf, **sig}  # a signal named like a fixed column, another order
+        sig["zeta"] = -0.0
+        rec = StepRecord(run_id=RUN, step=entry.record.step, signals=sig, batch="b")
+        mixed.append(Entry(entry_id=entry.entry_id, rank=entry.rank, record=rec))
+    mixed.insert(1, mixed.pop())
+    for batch in (mixed, entries(range(5), nan_at=3), entries(range(2), signals=0)):
+        got, want = archive_table(RUN, batch), _table_per_value(RUN, batch)
+        assert got.schema == want.schema
+        assert repr(got.to_pylist()) == repr(want.to_pylist())  # repr: NaN, -0.0 and NULL (None) told apart

@@ -24,7 +24,9 @@ import json
 import logging
 import os
 import re
+from array import array
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -335,7 +337,14 @@ def compact(directory: Path) -> None:
 
 
 def archive_table(run_id: str, entries: Sequence[Entry]) -> Any:
-    """The ``pyarrow.Table`` of ``entries`` (see :class:`ArchiveSink` for the columns)."""
+    """The ``pyarrow.Table`` of ``entries`` (see :class:`ArchiveSink` for the columns).
+
+    Built column-wise: the records are grouped by signal layout (the names in order; a run repeats a few), each
+    group's values go into one float64 matrix in a single pass, and each signal column is a row of its transpose
+    (a record without the signal is NULL there). Per-value Python work is one float per value instead of a dict
+    lookup per value and name (~5x faster at 206 signals, ``bench/bench_archive.py``).
+    """
+    import numpy as np
     import pyarrow as pa
 
     recs = [e.record for e in entries]
@@ -348,8 +357,26 @@ def archive_table(run_id: str, entries: Sequence[Entry]) -> Any:
         "batch": pa.array([r.batch for r in recs], pa.string()),
         "entry_id": pa.array([e.entry_id for e in entries], pa.string()),
     }
-    names = sorted({name for r in recs for name in r.signals})
-    for name in names:
+    layouts: dict[tuple[str, ...], list[int]] = {}
+    for i, record in enumerate(recs):
+        layouts.setdefault(tuple(record.signals), []).append(i)
+    blocks: list[tuple[Any, dict[str, int], Any]] = []
+    for layout, rows in layouts.items():
+        flat = array("d", chain.from_iterable(recs[i].signals.values() for i in rows))
+        by_signal = np.frombuffer(flat, np.float64).reshape(len(rows), len(layout)).T.copy()
+        blocks.append((np.array(rows, np.int64), {name: j for j, name in enumerate(layout)}, by_signal))
+    for name in sorted({name for layout in layouts for name in layout}):
         column = f"signal:{name}" if name in columns else name
-        columns[column] = pa.array([r.signals.get(name) for r in recs], pa.float64())
+        if len(blocks) == 1:
+            _, index, by_signal = blocks[0]
+            columns[column] = pa.array(by_signal[index[name]], pa.float64())
+            continue
+        values = np.zeros(len(recs), np.float64)
+        present = np.zeros(len(recs), np.bool_)
+        for rows_at, index, by_signal in blocks:
+            j = index.get(name)
+            if j is not None:
+                values[rows_at] = by_signal[j]
+                present[rows_at] = True
+        columns[column] = pa.array(values, pa.float64(), mask=~present)
     return pa.table(columns)
