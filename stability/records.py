@@ -189,8 +189,8 @@ _LIMITS: dict[str, int] = {
 
 
 def _unpack_map(data: bytes) -> dict[str, Any]:
-    """The record's top-level map; the value of ``n`` is the validated names' :class:`_Layout` (or, when it is not
-    a valid list of names, the raw value, for :func:`_signals` to name the problem)."""
+    """The record's top-level map; the value of ``n`` is the validated names' :class:`_Layout` (None when it is not
+    a list, for :func:`_signals` to name the problem)."""
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, **_LIMITS)
     unpacker.feed(data)
     try:
@@ -236,18 +236,19 @@ class _Layout:
     template: dict[str, Any]
 
 
-_LAYOUTS: dict[bytes, _Layout | object] = {}
-"""Msgpack bytes of a name list -> its :class:`_Layout`, or the decoded value when it is not a valid name list."""
+_LAYOUTS: dict[bytes, _Layout] = {}
+"""Msgpack bytes of a valid name list -> its :class:`_Layout`."""
 _LAYOUTS_MAX = 1_024
 
 
-def _layout(raw: bytes) -> _Layout | object:
+def _layout(raw: bytes) -> _Layout | None:
+    """The layout of the name list packed in ``raw`` (None when it is not a list; RecordError for a bad name)."""
     layout = _LAYOUTS.get(raw)
     if layout is not None:
         return layout
     names = msgpack.unpackb(raw, raw=False, **_LIMITS)
     if not isinstance(names, list):
-        return names
+        return None
     if not _known_names(names):
         for name in names:
             if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
@@ -322,7 +323,7 @@ def _signals(layout: object, packed: object) -> dict[str, float]:
     floats = array("d")
     floats.frombytes(packed)
     signals = layout.template.copy()
-    signals.update(zip(names, _little_endian(floats).tolist()))
+    signals.update(zip(names, _little_endian(floats).tolist(), strict=True))
     return signals
 
 

@@ -12,7 +12,8 @@ readable. The tail is a sequence of self-contained frames ``magic | payload leng
 an Arrow IPC stream (schema + one record batch, LZ4-compressed; zstd in tails written before, read the same). Each
 frame is written with one ``writev`` call on an ``O_APPEND`` descriptor; a reader keeps every frame whose length
 and CRC check out and stops at a torn one, so a writer that died mid-frame costs at most that frame (whose entries
-were never acknowledged, so the next drain writes them again). Each frame carries its own schema, so batches with different signal sets need no rewrite.
+were never acknowledged, so the next drain writes them again). Each frame carries its own schema, so batches with
+different signal sets need no rewrite.
 
 A segment is *rolled* (closed) when its tail passes ``roll_bytes`` or ``roll_seconds`` after its first frame, and
 at the end of the run: the tail's frames are read, de-duplicated by ``entry_id`` (a batch re-delivered after a

@@ -26,8 +26,8 @@ import os
 import re
 from array import array
 from collections.abc import Callable, Mapping, Sequence
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
