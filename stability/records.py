@@ -37,7 +37,9 @@ __all__ = [
     "GLOBAL_SIGNALS",
     "PER_MODULE_QUANTITIES",
     "StepRecord",
+    "PackedSignals",
     "decode",
+    "decode_packed",
     "encode",
     "loss_steps",
     "split_signal",
@@ -174,12 +176,24 @@ def decode(data: bytes) -> StepRecord:
     any other is read field by field (``n`` skipped, its bytes looked up). ~3x faster than unpacking the whole map
     at 206 signals (``bench/bench_encoding.py``).
     """
+    return decode_packed(data)[0]
+
+
+PackedSignals = tuple[tuple[str, ...], bytes]
+"""A decoded record's signals as they travelled: the names (one tuple object per layout, shared by every record of
+it) and their values, little-endian float64 (what the archive writes column-wise without touching each value)."""
+
+
+def decode_packed(data: bytes) -> tuple[StepRecord, PackedSignals]:
+    """:func:`decode`, also returning the record's signals as :data:`PackedSignals`."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RecordError(f"record payload must be bytes, not {type(data).__name__}")
     if len(data) > MAX_RECORD_BYTES:
         raise RecordError(f"record is {len(data)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
     data = bytes(data)
-    return _from_map(_split_known_layout(data) or _unpack_map(data))
+    obj = _split_known_layout(data) or _unpack_map(data)
+    record = _from_map(obj)
+    return record, (obj["n"].names, obj["x"])
 
 
 _LIMITS: dict[str, int] = {

@@ -247,3 +247,20 @@ def test_column_wise_table_equals_the_per_value_one() -> None:
         got, want = archive_table(RUN, batch), _table_per_value(RUN, batch)
         assert got.schema == want.schema
         assert repr(got.to_pylist()) == repr(want.to_pylist())  # repr: NaN, -0.0 and NULL (None) told apart
+
+
+def test_table_from_packed_values_equals_the_one_from_the_signal_dicts() -> None:
+    from stability.records import decode_packed, encode
+    from stability.worker.sinks import archive_table
+
+    plain = entries(range(0, 3), nan_at=1) + entries(range(3, 6), signals=5) + entries(range(6, 8), signals=0)
+    plain.insert(2, plain.pop())
+    packed = []
+    for entry in plain:
+        record, values = decode_packed(encode(entry.record))
+        packed.append(Entry(entry_id=entry.entry_id, rank=entry.rank, record=record, packed=values))
+    for batch in (packed, packed[:3], packed[:2] + plain[2:4]):  # all packed, one layout, some not packed
+        want = _table_per_value(RUN, [Entry(entry_id=e.entry_id, rank=e.rank, record=e.record) for e in batch])
+        got = archive_table(RUN, batch)
+        assert got.schema == want.schema
+        assert repr(got.to_pylist()) == repr(want.to_pylist())

@@ -58,7 +58,7 @@ from stability import keys
 from stability.detectors.base import Finding
 from stability.detectors.engine import RunDiagnoser
 from stability.errors import ConfigError, RecordError
-from stability.records import decode
+from stability.records import decode_packed
 from stability.redis_url import RedisClient
 from stability.worker.sinks import Entry, Sink
 
@@ -543,13 +543,13 @@ class Drainer:
         payload = (fields or {}).get(b"r")
         if payload is None:
             raise RecordError("entry has no field 'r' (or was deleted before it was processed)")
-        record = decode(payload)
+        record, packed = decode_packed(payload)
         if record.run_id != self.run_id or record.rank != rank:
             raise RecordError(
                 f"record of run {record.run_id!r} rank {record.rank} found in the stream of run {self.run_id!r} "
                 f"rank {rank}"
             )
-        return Entry(entry_id=entry_id, rank=rank, record=record)
+        return Entry(entry_id=entry_id, rank=rank, record=record, packed=packed)
 
     def _reject(self, batch: _Batch, rank: int, entry_id: str, reason: str) -> None:
         batch.rejects.append((rank, entry_id, reason))
