@@ -134,6 +134,7 @@ def read_tail(path: Path) -> TailRead:
     import pyarrow as pa
 
     data = path.read_bytes()
+    view = memoryview(data)  # frames are read in place: no copy of any payload
     out = TailRead(size=len(data))
     offset = 0
     while offset + _FRAME.size <= len(data):
@@ -141,11 +142,11 @@ def read_tail(path: Path) -> TailRead:
         end = offset + _FRAME.size + length
         if magic != MAGIC or end > len(data):
             break
-        payload = data[offset + _FRAME.size:end]
+        payload = view[offset + _FRAME.size:end]
         if zlib.crc32(payload) != crc:
             break
         try:
-            table = pa.ipc.open_stream(payload).read_all()
+            table = pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
         except (pa.ArrowException, OSError, ValueError):
             break
         out.tables.append(table)
