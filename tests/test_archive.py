@@ -264,3 +264,19 @@ def test_table_from_packed_values_equals_the_one_from_the_signal_dicts() -> None
         got = archive_table(RUN, batch)
         assert got.schema == want.schema
         assert repr(got.to_pylist()) == repr(want.to_pylist())
+
+
+@pytest.mark.parametrize(("ids", "increasing"), [
+    (["1-0", "1-1", "2-0", "10-0"], True), (["7-3"], True), ([], True),
+    (["1-0", "1-0"], False), (["2-0", "1-5"], False), (["10-0", "9-9"], False), (["1-1", "1-0"], False),
+    (["1-0", "x-1"], False), (["1-0", "1"], False), (["1-0", None], False), (["1-0", "-1-2"], False),
+])
+def test_the_sorted_ids_shortcut_agrees_with_the_row_by_row_order(ids: list[str | None], increasing: bool) -> None:
+    import pyarrow as pa
+
+    from stability.worker.archive import _strictly_increasing_ids, table_rows_by_entry
+
+    assert _strictly_increasing_ids(pa.chunked_array([pa.array(ids, pa.string())])) is increasing
+    if increasing:  # then the row-by-row de-duplication and sort would keep every row in place
+        table = pa.table({"entry_id": pa.array(ids, pa.string()), "step": pa.array(range(len(ids)), pa.int64())})
+        assert table_rows_by_entry([table]).column("step").to_pylist() == list(range(len(ids)))
