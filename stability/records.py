@@ -173,8 +173,8 @@ def decode(data: bytes) -> StepRecord:
     The signal names are not unpacked per record: a run repeats the same few name lists (layouts), each decoded and
     checked once and cached by its msgpack bytes. A record laid out as :func:`encode` writes it with the layout of the
     record before (``n`` and ``x`` last) is split by byte comparison and only its scalar fields are unpacked;
-    any other is read field by field (``n`` skipped, its bytes looked up). ~3x faster than unpacking the whole map
-    at 206 signals (``bench/bench_encoding.py``).
+    any other is read field by field (``n`` skipped, its bytes looked up). ~2x faster than unpacking the whole map
+    at 206 signals (``bench/bench_drain.py --stages``, docs/benchmarks.md).
     """
     return decode_packed(data)[0]
 

@@ -345,7 +345,7 @@ def archive_table(run_id: str, entries: Sequence[Entry]) -> Any:
     Built column-wise: the records are grouped by signal layout (the names in order; a run repeats a few), each
     group's values go into one float64 matrix (the packed values as decoded when the drainer passed them, else one
     pass over the signal dicts), and each signal column is a row of its transpose (a record without the signal is
-    NULL there); no dict lookup per value and name (~20x faster at 206 signals, ``bench/bench_archive.py``).
+    NULL there); no dict lookup per value and name (~15x faster at 206 signals, ``bench/bench_drain.py --stages``).
     """
     import numpy as np
     import pyarrow as pa
