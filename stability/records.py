@@ -289,8 +289,8 @@ _LAST_LAYOUT: list[tuple[_Layout, bytes] | None] = [None]
 
 
 _LAYOUTS: dict[bytes, _Layout] = {}
-"""Msgpack bytes of a valid name list -> its :class:`_Layout`."""
-_LAYOUTS_MAX = 1_024
+"""Msgpack bytes of a valid name list -> its :class:`_Layout` (~20 KB each at 206 signals; cleared when full)."""
+_LAYOUTS_MAX = 256
 
 
 def _layout(raw: bytes) -> _Layout | None:
