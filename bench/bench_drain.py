@@ -35,7 +35,7 @@ from stability.embedded import RedisServer, free_port
 from stability.records import StepRecord, decode, encode
 from stability.worker import archive as archive_module
 from stability.worker import sinks as sinks_module
-from stability.worker.drain import Drainer
+from stability.worker.drain import Drainer, SnapshotPolicy
 from stability.worker.sinks import ArchiveSink, RedisFindingsSink, archive_table, redis_meta
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -166,9 +166,12 @@ def main() -> None:
         cases = {
             "baseline": lambda run: plain_loop(client, run, do_decode=False),
             "decode": lambda run: plain_loop(client, run, do_decode=True),
-            "drainer": lambda run: Drainer(client, run, sinks=[RedisFindingsSink(client)], max_seconds=1e9).run(),
+            # idle_s=0: commit (ack) once caught up, as a drain that ends does
+            "drainer": lambda run: Drainer(client, run, sinks=[RedisFindingsSink(client)], max_seconds=1e9,
+                                           snapshot=SnapshotPolicy(idle_s=0.0)).run(),
             "+archive": lambda run: Drainer(
-                client, run, sinks=[RedisFindingsSink(client), ArchiveSink(meta)], max_seconds=1e9
+                client, run, sinks=[RedisFindingsSink(client), ArchiveSink(meta)], max_seconds=1e9,
+                snapshot=SnapshotPolicy(idle_s=0.0),
             ).run(),
         }
         rates = {}
