@@ -10,14 +10,22 @@ started in a temporary directory. Printed: records/s of
 * ``+archive``  the same plus the Parquet ``ArchiveSink``;
 
 and each as a ratio of the baseline, measured in the same run.
+
+``python bench/bench_drain.py --stages [--runs 4 --ranks 2 --steps 1500] [--no-detectors]`` instead profiles one
+in-process backlog drain of ``bench/_records.py`` records (206 signals, as ``bench/loadgen.py`` writes them) with the
+worker's sinks (console, findings, archive, advice, report) and prints the CPU time per record of each stage:
+reading (``XREADGROUP`` + reply parsing), decoding, the detectors, the archive (table, frame, write), commits and
+the rest of the loop. ``--no-detectors`` uses the worker's benchmark-only no-op diagnoser.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -25,8 +33,13 @@ from stability import keys
 from stability.detectors.engine import RunDiagnoser
 from stability.embedded import RedisServer, free_port
 from stability.records import StepRecord, decode, encode
-from stability.worker.drain import Drainer
-from stability.worker.sinks import ArchiveSink, RedisFindingsSink, redis_meta
+from stability.worker import archive as archive_module
+from stability.worker import sinks as sinks_module
+from stability.worker.drain import Drainer, SnapshotPolicy
+from stability.worker.sinks import ArchiveSink, RedisFindingsSink, archive_table, redis_meta
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _records import RecordFactory
 
 
 def fill(client: redis.Redis, run_id: str, n: int, signals: int) -> None:
@@ -66,20 +79,99 @@ def detectors_only(client: redis.Redis, run_id: str) -> float:
     return time.perf_counter() - start
 
 
+_STAGES = (
+    ("read: XREADGROUP + reply parsing", Drainer, "_read"),
+    ("decode (records.decode_packed, Entry)", Drainer, "_decode"),
+    ("detectors (RunDiagnoser.update)", None, "update"),
+    ("archive: table (sinks.archive_table)", sinks_module, "archive_table"),
+    ("archive: Arrow IPC frame", archive_module, "_frame"),
+    ("archive: whole emit (+ write)", ArchiveSink, "emit"),
+    ("commit (fsync, snapshot, ack, trim)", Drainer, "_commit"),
+    ("whole drain", Drainer, "_drain"),
+)
+
+
+def stages(args: argparse.Namespace) -> None:
+    """CPU per record of each stage of an in-process backlog drain (see the module docstring)."""
+    import loadgen  # bench/loadgen.py: the same records and run registration
+
+    from stability.worker.advice import AdviceSink
+    from stability.worker.sinks import ConsoleSink, ReportSink
+    from stability.worker.tasks import NullDiagnoser
+
+    spent: dict[str, float] = {}
+
+    def timed(owner: Any, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            start = time.process_time()
+            try:
+                return inner(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.process_time() - start
+
+        setattr(owner, name, wrapper)
+
+    class Timed(RunDiagnoser):
+        pass
+
+    diagnoser: Any = NullDiagnoser if args.no_detectors else Timed
+    for label, owner, name in _STAGES:
+        timed(diagnoser if owner is None else owner, name, label)
+    gen = loadgen.parse(["--runs", str(args.runs), "--ranks", str(args.ranks), "--steps", str(args.steps)])
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=free_port()) as server:
+        client = redis.Redis.from_url(server.url)
+        runs = loadgen.run_ids(gen)
+        loadgen.register(client, runs, gen.ranks, Path(tmp), True)
+        loadgen.fill_backlog(client, runs, gen)
+        meta = redis_meta(client)
+        sinks = [ConsoleSink(), RedisFindingsSink(client), ArchiveSink(meta), AdviceSink(client),
+                 ReportSink(meta, client)]
+        archive_table("warm-up", [])  # imports (pyarrow) before the clock starts
+        if not args.no_detectors:
+            from stability.detectors import oddity  # noqa: F401  (the first finding's ranking imports scikit-learn)
+        start, n = time.process_time(), 0
+        for run in runs:
+            while True:
+                result = Drainer(client, run, sinks=sinks, max_seconds=1e9, diagnoser=diagnoser).run()
+                n += result.processed
+                if result.status != "timeout":
+                    break
+        total = time.process_time() - start
+        client.close()
+    print(f"{n:,} records x {RecordFactory(run_id='x', rank=0).signal_count} signals, {args.runs} runs x "
+          f"{args.ranks} ranks, archive on, detectors {'OFF' if args.no_detectors else 'on'}: "
+          f"{n / total:,.0f} records per CPU-second ({1e6 * total / n:.0f} us/record)")
+    for label, _, _ in _STAGES:
+        print(f"  {label:40s} {1e6 * spent.get(label, 0.0) / n:7.1f} us/record")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=5000)
     parser.add_argument("--signals", type=int, default=100, help="per-layer signals per record")
+    parser.add_argument("--stages", action="store_true", help="profile the stages of an in-process drain instead")
+    parser.add_argument("--runs", type=int, default=4, help="--stages: runs (default 4)")
+    parser.add_argument("--ranks", type=int, default=2, help="--stages: ranks per run (default 2)")
+    parser.add_argument("--steps", type=int, default=1500, help="--stages: records per rank (default 1500)")
+    parser.add_argument("--no-detectors", action="store_true", help="--stages: the no-op diagnoser")
     args = parser.parse_args()
+    if args.stages:
+        stages(args)
+        return
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis", port=free_port()) as server:
         client = redis.Redis.from_url(server.url)
         meta = redis_meta(client)
         cases = {
             "baseline": lambda run: plain_loop(client, run, do_decode=False),
             "decode": lambda run: plain_loop(client, run, do_decode=True),
-            "drainer": lambda run: Drainer(client, run, sinks=[RedisFindingsSink(client)], max_seconds=1e9).run(),
+            # idle_s=0: commit (ack) once caught up, as a drain that ends does
+            "drainer": lambda run: Drainer(client, run, sinks=[RedisFindingsSink(client)], max_seconds=1e9,
+                                           snapshot=SnapshotPolicy(idle_s=0.0)).run(),
             "+archive": lambda run: Drainer(
-                client, run, sinks=[RedisFindingsSink(client), ArchiveSink(meta)], max_seconds=1e9
+                client, run, sinks=[RedisFindingsSink(client), ArchiveSink(meta)], max_seconds=1e9,
+                snapshot=SnapshotPolicy(idle_s=0.0),
             ).run(),
         }
         rates = {}

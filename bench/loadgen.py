@@ -95,6 +95,8 @@ class Result:
     """The machine's 1-minute load average at the end (a busy machine stretches every wall-clock rate)."""
     shard_size: int = 0
     """Ranks per shard of each run (0: unsharded)."""
+    no_detectors: bool = False
+    """``--no-detectors``: the workers ran the benchmark-only no-op diagnoser."""
     aof_peak: int = 0
     """``--aof``: the largest size of the server's append-only files seen (sampled every 0.5 s)."""
     aof_end: int = 0
@@ -143,6 +145,8 @@ def workers(url: str, count: int, tmp: Path, args: argparse.Namespace) -> Iterat
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     if args.snapshot_idle_s is not None:
         env["STABILITY_SNAPSHOT_IDLE_S"] = str(args.snapshot_idle_s)
+    if args.no_detectors:
+        env["STABILITY_BENCH_NO_DETECTORS"] = "1"  # benchmark-only mode of the worker (worker/tasks.py)
     procs: list[subprocess.Popen[bytes]] = []
     logs = [tmp / f"worker{i}.log" for i in range(count)]
     try:
@@ -483,6 +487,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-s", type=float, default=20.0, help="STABILITY_DRAIN_S of the workers (default 20)")
     p.add_argument("--timeout", type=float, default=600.0, help="give up waiting for the drain after this (s)")
     p.add_argument("--no-baseline", action="store_true", help="backlog: skip the bare XREADGROUP loop")
+    p.add_argument("--no-detectors", action="store_true",
+                   help="BENCHMARK ONLY: the workers feed records to a no-op diagnoser (STABILITY_BENCH_NO_DETECTORS=1)"
+                        ": the worker's ceiling without detectors (unsharded runs only; nothing is found)")
     p.add_argument("--redis-server", default=_system_redis(),
                    help="redis-server binary (default: /usr/bin/redis-server (7.x: XINFO reports the lag), else the "
                         "one on PATH, else the embedded one)")
@@ -491,6 +498,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.runs, args.ranks, args.workers, args.steps, args.modules) < 1 or args.step_rate <= 0:
         p.error("--runs, --ranks, --workers, --steps, --modules must be >= 1 and --step-rate > 0")
+    if args.no_detectors and args.shard_size:
+        p.error("--no-detectors applies to unsharded runs only (the drain task), not with --shard-size")
     return args
 
 
@@ -504,6 +513,8 @@ def print_summary(out: dict[str, Any]) -> None:
         return "-" if v is None else f"{v * 1000:,.0f} ms"
 
     archive = "on" if out["archive"] else "off"
+    if out.get("no_detectors"):
+        archive += ", DETECTORS OFF (--no-detectors)"
     shards = f", shard size {out['shard_size']}" if out.get("shard_size") else ""
     print(f"{out['mode']}: {out['runs']} runs x {out['ranks']} ranks{shards}, {out['signals']} signals "
           f"({out['bytes_per_record']} B/record), {out['workers']} worker(s), archive {archive}, "
@@ -564,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             result = (backlog if args.mode == "backlog" else live)(client, server.url, tmp, args)
             result.aof_peak, result.aof_end = aof.peak, aof.size()
             result.shard_size = args.shard_size
+            result.no_detectors = args.no_detectors
             result.redis_version = str(client.info("server")["redis_version"])
             result.load = os.getloadavg()[0]
             client.close()

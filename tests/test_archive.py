@@ -209,3 +209,74 @@ def test_older_layouts_are_read_and_folded_into_segments(run_dir: Path) -> None:
     rows = [s for n in names[:2] for s in pq.read_table(archive / n).column("step").to_pylist()]
     assert sorted(rows) == list(range(12)) and len(rows) == 12  # the overlap of the two parts kept once
     assert steps_read(run_dir) == [(0, s) for s in range(12)] + [(1, s) for s in range(3)]
+
+
+def _table_per_value(run_id: str, batch: list[Entry]) -> Any:
+    """The archive table built value by value (the former ``archive_table``): the reference of the column-wise one."""
+    import pyarrow as pa
+
+    recs = [e.record for e in batch]
+    columns: dict[str, Any] = {
+        "run_id": pa.array([run_id] * len(recs), pa.string()),
+        "rank": pa.array([e.rank for e in batch], pa.int64()),
+        "step": pa.array([r.step for r in recs], pa.int64()),
+        "wall_time": pa.array([r.wall_time for r in recs], pa.float64()),
+        "host": pa.array([r.host for r in recs], pa.string()),
+        "batch": pa.array([r.batch for r in recs], pa.string()),
+        "entry_id": pa.array([e.entry_id for e in batch], pa.string()),
+    }
+    for name in sorted({name for r in recs for name in r.signals}):
+        column = f"signal:{name}" if name in columns else name
+        columns[column] = pa.array([r.signals.get(name) for r in recs], pa.float64())
+    return pa.table(columns)
+
+
+def test_column_wise_table_equals_the_per_value_one() -> None:
+    from stability.worker.sinks import archive_table
+
+    mixed = entries(range(0, 4), nan_at=2)  # 3 layouts, interleaved: nulls where a record lacks a signal
+    for i, entry in enumerate(entries(range(4, 10), signals=5)):
+        sig = dict(entry.record.signals)
+        if i % 2:
+            sig = {"step": -1.0, "lr": math.inf, **sig}  # a signal named like a fixed column, another order
+        sig["zeta"] = -0.0
+        rec = StepRecord(run_id=RUN, step=entry.record.step, signals=sig, batch="b")
+        mixed.append(Entry(entry_id=entry.entry_id, rank=entry.rank, record=rec))
+    mixed.insert(1, mixed.pop())
+    for batch in (mixed, entries(range(5), nan_at=3), entries(range(2), signals=0)):
+        got, want = archive_table(RUN, batch), _table_per_value(RUN, batch)
+        assert got.schema == want.schema
+        assert repr(got.to_pylist()) == repr(want.to_pylist())  # repr: NaN, -0.0 and NULL (None) told apart
+
+
+def test_table_from_packed_values_equals_the_one_from_the_signal_dicts() -> None:
+    from stability.records import decode_packed, encode
+    from stability.worker.sinks import archive_table
+
+    plain = entries(range(0, 3), nan_at=1) + entries(range(3, 6), signals=5) + entries(range(6, 8), signals=0)
+    plain.insert(2, plain.pop())
+    packed = []
+    for entry in plain:
+        record, values = decode_packed(encode(entry.record))
+        packed.append(Entry(entry_id=entry.entry_id, rank=entry.rank, record=record, packed=values))
+    for batch in (packed, packed[:3], packed[:2] + plain[2:4]):  # all packed, one layout, some not packed
+        want = _table_per_value(RUN, [Entry(entry_id=e.entry_id, rank=e.rank, record=e.record) for e in batch])
+        got = archive_table(RUN, batch)
+        assert got.schema == want.schema
+        assert repr(got.to_pylist()) == repr(want.to_pylist())
+
+
+@pytest.mark.parametrize(("ids", "increasing"), [
+    (["1-0", "1-1", "2-0", "10-0"], True), (["7-3"], True), ([], True),
+    (["1-0", "1-0"], False), (["2-0", "1-5"], False), (["10-0", "9-9"], False), (["1-1", "1-0"], False),
+    (["1-0", "x-1"], False), (["1-0", "1"], False), (["1-0", None], False), (["1-0", "-1-2"], False),
+])
+def test_the_sorted_ids_shortcut_agrees_with_the_row_by_row_order(ids: list[str | None], increasing: bool) -> None:
+    import pyarrow as pa
+
+    from stability.worker.archive import _strictly_increasing_ids, table_rows_by_entry
+
+    assert _strictly_increasing_ids(pa.chunked_array([pa.array(ids, pa.string())])) is increasing
+    if increasing:  # then the row-by-row de-duplication and sort would keep every row in place
+        table = pa.table({"entry_id": pa.array(ids, pa.string()), "step": pa.array(range(len(ids)), pa.int64())})
+        assert table_rows_by_entry([table]).column("step").to_pylist() == list(range(len(ids)))

@@ -9,6 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from stability import records as records_module
 from stability.errors import RecordError
 from stability.records import MAX_RECORD_BYTES, StepRecord, decode, encode, split_signal
 
@@ -132,3 +133,33 @@ def test_encode_rejects_non_numeric_and_oversized_records() -> None:
         encode(_record(signals={"loss": "high"}))
     with pytest.raises(RecordError, match="over the"):
         encode(_record(host="h" * (MAX_RECORD_BYTES + 1)))
+
+
+def _slow_decode(data: bytes) -> StepRecord:
+    """``decode`` read field by field (the known-layout split turned off): the reference of the split."""
+    records_module._LAST_LAYOUT[0] = None
+    return decode(data)
+
+
+def test_known_layout_split_equals_the_field_by_field_read() -> None:
+    names = ["loss", "lr"]
+    values = np.array([1.0, 2.0], dtype="<f8").tobytes()
+    tail = msgpack.packb("n") + msgpack.packb(names) + msgpack.packb("x") + msgpack.packb(values, use_bin_type=True)
+    cases = [
+        _raw(),
+        _raw(step=300, host="x" * 40, coords={"dp": 70000}),  # wider ints and strings before the names
+        _raw(future=tail),  # a bin ending with the bytes of a known layout's names + values
+        _raw(n=["loss", "lr", "tokens"], x=np.arange(3, dtype="<f8").tobytes()),  # another layout
+        _raw(),  # and back
+        b"\x8b" + msgpack.packb("n") + msgpack.packb(["zz"]) + _raw()[1:],  # "n" twice: the last one counts
+    ]
+    decode(_raw())
+    assert records_module._split_known_layout(_raw()) is not None
+    for data in cases:
+        decode(_raw())  # the split is tried with this layout
+        fast = decode(data)
+        assert repr(fast) == repr(_slow_decode(data))
+    decode(_raw())
+    bad = _raw()[:-1]  # the values cut short: no split, the field-by-field read names the problem
+    with pytest.raises(RecordError, match="not valid msgpack"):
+        decode(bad)

@@ -58,7 +58,7 @@ from stability import keys
 from stability.detectors.base import Finding
 from stability.detectors.engine import RunDiagnoser
 from stability.errors import ConfigError, RecordError
-from stability.records import decode
+from stability.records import decode_packed
 from stability.redis_url import RedisClient
 from stability.worker.sinks import Entry, Sink
 
@@ -531,25 +531,25 @@ class Drainer:
             entry_id = _text(eid)
             batch.acks.setdefault(rank, []).append(entry_id)
             try:
-                entry = self._decode(rank, entry_id, fields)
+                batch.entries.append(self._decode(rank, entry_id, fields))
             except RecordError as exc:
                 self._reject(batch, rank, entry_id, str(exc))
-                continue
-            batch.entries.append(entry)
-            batch.findings += ctx.diag.update(entry.record)
+        update = ctx.diag.update
+        for entry in batch.entries:  # all decoded first: decoding between detector updates runs on cold caches
+            batch.findings += update(entry.record)
         return batch
 
     def _decode(self, rank: int, entry_id: str, fields: dict[bytes, bytes] | None) -> Entry:
         payload = (fields or {}).get(b"r")
         if payload is None:
             raise RecordError("entry has no field 'r' (or was deleted before it was processed)")
-        record = decode(payload)
+        record, packed = decode_packed(payload)
         if record.run_id != self.run_id or record.rank != rank:
             raise RecordError(
                 f"record of run {record.run_id!r} rank {record.rank} found in the stream of run {self.run_id!r} "
                 f"rank {rank}"
             )
-        return Entry(entry_id=entry_id, rank=rank, record=record)
+        return Entry(entry_id=entry_id, rank=rank, record=record, packed=packed)
 
     def _reject(self, batch: _Batch, rank: int, entry_id: str, reason: str) -> None:
         batch.rejects.append((rank, entry_id, reason))

@@ -19,20 +19,23 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from celery import signals
 
 from stability import keys
+from stability.detectors.engine import RunDiagnoser
 from stability.redis_url import RedisClient, connect
 from stability.worker.advice import AdviceSink
 from stability.worker.app import app, settings
 from stability.worker.crossrank_stage import CrossRankStage
-from stability.worker.drain import Drainer, DrainResult, SnapshotPolicy, run_ranks
+from stability.worker.drain import Diagnoser, Drainer, DrainResult, SnapshotPolicy, run_ranks
 from stability.worker.quiet import QuietCheck, QuietConfig
 from stability.worker.shards import ShardDrainer, decide_shard_size, shards_of
 from stability.worker.sinks import ArchiveSink, ConsoleSink, RedisFindingsSink, ReportSink, Sink, redis_meta
@@ -243,10 +246,45 @@ def drain(run_id: str) -> str:
     client().delete(trigger_key(run_id))
     result = Drainer(
         client(), run_id, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms, max_seconds=settings.drain_s,
-        snapshot=_snapshot_policy(),
+        snapshot=_snapshot_policy(), diagnoser=_diagnoser(),
     ).run()
     _log(run_id, result)
     return result.status
+
+
+BENCH_NO_DETECTORS = "STABILITY_BENCH_NO_DETECTORS"
+"""BENCHMARK ONLY: set to ``1`` and the ``drain`` task (unsharded runs) feeds every record to
+:class:`NullDiagnoser` instead of the detectors (``bench/loadgen.py --no-detectors``): it measures the worker's
+ceiling without detectors (reading, decoding, archiving, acking). Never set it on a real worker: nothing is
+detected."""
+
+
+class NullDiagnoser:
+    """BENCHMARK ONLY (see :data:`BENCH_NO_DETECTORS`): a diagnoser that finds nothing and keeps no state."""
+
+    def update(self, record: Any) -> list[Any]:
+        """Nothing."""
+        return []
+
+    def finish(self) -> list[Any]:
+        """Nothing."""
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """No state."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """No state."""
+
+
+@functools.cache
+def _diagnoser() -> Callable[[], Diagnoser]:
+    """The detector suite's factory (read once per process: the same factory keeps a drain's in-memory context)."""
+    if os.environ.get(BENCH_NO_DETECTORS) == "1":
+        logger.warning("%s=1: benchmark mode, the detectors are OFF (nothing will be found)", BENCH_NO_DETECTORS)
+        return NullDiagnoser
+    return RunDiagnoser
 
 
 def _snapshot_policy() -> SnapshotPolicy:
