@@ -22,12 +22,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "pack_floats", "pack_window",
-           "plural", "predict_line", "robust_line", "safe_exp", "times", "unpack_floats", "unpack_window"]
+__all__ = ["SCREEN_MARGIN", "Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "pack_floats",
+           "pack_window", "plural", "predict_level", "predict_line", "robust_line",
+           "safe_exp", "times", "unpack_floats", "unpack_window"]
 
 _I8 = np.dtype("<i8")
 _EXACT_INT = 2.0**53
 """Integers below this in magnitude are exact in float64 (window x values: steps)."""
+
+SCREEN_MARGIN = 1e-9
+"""Slack (log units) between a detector's screen bound and its threshold (beyond the bound's own): a screen decides
+only values clearly on the quiet side; the others take the exact fit."""
 
 MAD_TO_SIGMA = 1.4826
 """Consistency constant: 1.4826 * MAD estimates sigma for Gaussian data."""
@@ -222,6 +227,16 @@ def predict_line(xs: np.ndarray, ys: np.ndarray, x: float, *, min_points: int, s
         residuals = ys - (level + slope * to_end)
     scale = max(_mad_scale_scratch(residuals), scale_floor)
     return Prediction(level + slope * (x - xs[-1]), scale, len(ys))
+
+
+def predict_level(xs: np.ndarray, ys: np.ndarray, x: float) -> float:
+    """``predict_line(xs, ys, x, ...).level`` with at least ``min_points`` points (the robust line's prediction, the
+    same float by the same operations) without the residual scale."""
+    if len(ys) // 2 == 0:
+        level, slope = robust_line(xs, ys)
+        return level + slope * (x - xs[-1])  # type: ignore[no-any-return]
+    level, slope = _line(xs, ys, xs - xs[-1])
+    return level + slope * (x - xs[-1])  # type: ignore[no-any-return]
 
 
 class Baseline:

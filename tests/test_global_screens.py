@@ -1,0 +1,108 @@
+"""The exact shortcuts of the global detectors (loss spike, gradient explosion, divergence) decide as the full fits.
+
+Each detector runs twice over the same stream: as shipped, and with its screens switched off (every record takes the
+full robust-line fit, as before the screens). Findings (``repr``: the same types and floats) and ``state_dict``
+(msgpack bytes) must be equal after every record of the stream and after a state round trip mid-stream. The streams
+sit near the thresholds (rises of 1.2-1.4x and 4-6x, heavy tails), fall and rise, have gaps, repeated steps,
+absent / zero / NaN / infinite values, averaged losses and long spikes that force a re-baseline."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+
+from stability.detectors import divergence, grad, spike
+from stability.detectors.divergence import DivergenceDetector
+from stability.detectors.grad import GradExplosionDetector
+from stability.detectors.spike import SpikeConfig, SpikeDetector
+from stability.records import StepRecord
+
+
+def _stream(seed: int, n: int = 1500) -> list[StepRecord]:
+    rng = random.Random(seed)
+    out: list[StepRecord] = []
+    step, loss, grad_norm = 0, 6.0, 1.0
+    noise = rng.choice((0.002, 0.005, 0.01, 0.05, 0.2))
+    drift = rng.choice((-2e-3, -2e-4, 0.0, 5e-4))
+    near = 0.03
+    for i in range(n):
+        step += (rng.choice((2, 0, 150)) if rng.random() < 0.004 else 1) if seed % 2 else 1
+        if i % 300 == 150:
+            noise = rng.choice((0.002, 0.005, 0.01, 0.05, 0.2))
+            drift = rng.choice((-2e-3, -2e-4, 0.0, 5e-4, 3e-3))
+            near = rng.choice((0.002, 0.03))  # rare near-threshold values: long quiet stretches the screens take
+        loss *= math.exp(drift + rng.gauss(0, noise))
+        grad_norm *= math.exp(rng.gauss(0, noise))
+        y, g = loss, grad_norm
+        roll = rng.random()
+        if roll < near:
+            y *= rng.uniform(1.15, 1.45)  # near the 1.3x spike threshold
+        elif roll < 1.3 * near:
+            y *= rng.uniform(2.0, 5.0)
+        elif roll < 1.6 * near and i % 500 > 250:
+            loss *= 2.5  # a lasting jump (long spikes: re-baselines)
+        if rng.random() < near:
+            g *= rng.uniform(3.5, 7.0)  # near the 5x gradient threshold
+        elif rng.random() < near / 4:
+            g *= rng.uniform(40, 80)
+        signals: dict[str, float] = {"loss": y, "grad_norm": g}
+        odd = rng.random()
+        if odd < 0.01:
+            signals["loss"] = rng.choice((math.nan, math.inf, 0.0, -1.0))
+        elif odd < 0.02:
+            signals["grad_norm"] = rng.choice((math.nan, math.inf, 0.0))
+        elif odd < 0.03:
+            del signals["loss"]
+        if seed % 3 == 2 and i > n // 2:
+            signals["loss_steps"] = 10.0
+        out.append(StepRecord(run_id="r", step=step, signals=signals))
+    return out
+
+
+def _state(detector: Any) -> bytes:
+    return msgpack.packb(detector.state_dict(), use_bin_type=True, default=repr)  # type: ignore[no-any-return]
+
+
+def _trace(make: Callable[[], Any], records: list[StepRecord], restore_at: int) -> list[tuple[str, bytes]]:
+    """(findings, state) after each record; the detector is rebuilt from its state at ``restore_at``."""
+    detector = make()
+    out = []
+    for i, record in enumerate(records):
+        found = repr(detector.update(record))
+        if i == restore_at:
+            state = detector.state_dict()
+            detector = make()
+            detector.load_state_dict(state)
+        out.append((found, _state(detector) if i % 7 == 0 or i == restore_at else b""))
+    out.append((repr(detector.finish()), _state(detector)))
+    return out
+
+
+_NO_BOUND = staticmethod(lambda window, x: -math.inf)
+
+CASES: dict[str, tuple[Callable[[], Any], list[tuple[Any, str, Any]]]] = {
+    "spike": (SpikeDetector, [(spike, "level_lower_bound", lambda window, x: -math.inf)]),
+    "spike_small": (lambda: SpikeDetector(SpikeConfig(window=16, min_points=8, max_active=20)),
+                    [(spike, "level_lower_bound", lambda window, x: -math.inf)]),
+    "grad": (GradExplosionDetector, [(grad, "level_lower_bound", lambda window, x: -math.inf)]),
+    "divergence": (DivergenceDetector, [(divergence, "SCREENS", False)]),
+}
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_screens_decide_as_the_full_fit(name: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    make, patches = CASES[name]
+    records = _stream(seed)
+    fast = _trace(make, records, restore_at=len(records) // 3)
+    for module, attr, value in patches:
+        monkeypatch.setattr(module, attr, value)
+    slow = _trace(make, records, restore_at=len(records) // 3)
+    for i, (a, b) in enumerate(zip(fast, slow, strict=True)):
+        assert a == b, f"record {i}"
+    assert any(f != "[]" for f, _ in fast), "the stream has findings: the comparison covers them"
