@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SCREEN_MARGIN", "Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "pack_floats",
-           "pack_window", "plural", "predict_level", "predict_line", "robust_line",
+__all__ = ["SCREEN_MARGIN", "Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "median_of",
+           "pack_floats", "pack_window", "line_level", "plural", "predict_level", "predict_line", "robust_line",
            "safe_exp", "times", "unpack_floats", "unpack_window"]
 
 _I8 = np.dtype("<i8")
@@ -50,6 +50,25 @@ def median(values: np.ndarray) -> float:
     Python sort does not order) takes the ``np.partition`` path.
     """
     return _median(values, scratch=False)
+
+
+def median_of(items: list[float]) -> float:
+    """``median(np.array(items))`` of a short non-empty list of floats without building the array (the same
+    float: the same Python sort path; long lists, NaN and a zero result go through :func:`median`)."""
+    n = len(items)
+    if n <= _SORT_MAX:
+        total = sum(items)
+        if total == total:
+            ordered = sorted(items)
+            mid = 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
+            if mid != 0.0:
+                return mid
+    return median(np.array(items, dtype=np.float64))
+
+
+def line_level(x: np.ndarray, y: np.ndarray, slope: float) -> float:
+    """``robust_line(x, y)[0]`` given its slope (at least 2 points): the median of ``y - slope * (x - x[-1])``."""
+    return _median(y - slope * (x - x[-1]), scratch=True)
 
 
 def _median(values: np.ndarray, *, scratch: bool) -> float:

@@ -14,9 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 
 from stability.detectors import divergence, grad, spike
+from stability.detectors._slopes import SlidingSlopes
+from stability.detectors._stats import Window, robust_line
 from stability.detectors.divergence import DivergenceDetector
 from stability.detectors.grad import GradExplosionDetector
 from stability.detectors.spike import SpikeConfig, SpikeDetector
@@ -64,6 +67,19 @@ def _stream(seed: int, n: int = 1500) -> list[StepRecord]:
     return out
 
 
+def _slow_rises(seed: int, n: int = 1500) -> list[StepRecord]:
+    """A falling loss that turns into slow rises (the divergence trend rule) and flat noisy stretches."""
+    rng = random.Random(seed)
+    out, loss = [], 5.0
+    for i in range(n):
+        phase = (i // 250) % 3
+        drift = (-3e-3, rng.choice((3e-3, 6e-3, 1e-2)), 0.0)[phase]
+        loss *= math.exp(drift)
+        value = loss * math.exp(rng.gauss(0, rng.choice((0.005, 0.02, 0.04))))
+        out.append(StepRecord(run_id="r", step=i + (i // 700) * 30, signals={"loss": value}))
+    return out
+
+
 def _state(detector: Any) -> bytes:
     return msgpack.packb(detector.state_dict(), use_bin_type=True, default=repr)  # type: ignore[no-any-return]
 
@@ -83,8 +99,6 @@ def _trace(make: Callable[[], Any], records: list[StepRecord], restore_at: int) 
     return out
 
 
-_NO_BOUND = staticmethod(lambda window, x: -math.inf)
-
 CASES: dict[str, tuple[Callable[[], Any], list[tuple[Any, str, Any]]]] = {
     "spike": (SpikeDetector, [(spike, "level_lower_bound", lambda window, x: -math.inf)]),
     "spike_small": (lambda: SpikeDetector(SpikeConfig(window=16, min_points=8, max_active=20)),
@@ -94,11 +108,11 @@ CASES: dict[str, tuple[Callable[[], Any], list[tuple[Any, str, Any]]]] = {
 }
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(7))
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_screens_decide_as_the_full_fit(name: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     make, patches = CASES[name]
-    records = _stream(seed)
+    records = _stream(seed) if seed < 4 or name != "divergence" else _slow_rises(seed)
     fast = _trace(make, records, restore_at=len(records) // 3)
     for module, attr, value in patches:
         monkeypatch.setattr(module, attr, value)
@@ -106,3 +120,28 @@ def test_screens_decide_as_the_full_fit(name: str, seed: int, monkeypatch: pytes
     for i, (a, b) in enumerate(zip(fast, slow, strict=True)):
         assert a == b, f"record {i}"
     assert any(f != "[]" for f, _ in fast), "the stream has findings: the comparison covers them"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_sliding_slopes_are_the_robust_line_slope(seed: int) -> None:
+    """Bit-identical to ``robust_line``'s slope whenever known: only on full windows with increasing x and finite
+    y (gaps of several sizes, repeated and backward x, NaN / inf / signed zeros, clears)."""
+    rng = random.Random(seed)
+    size = (2, 3, 5, 16, 33, 64, 96, 7, 24, 25)[seed]
+    slopes, window = SlidingSlopes(size), Window(size)
+    checked = 0
+    for _ in range(1500):
+        x = window.x[-1] if len(window) else 0.0
+        x += rng.choice((1.0, 1.0, 1.0, 3.0, 0.5)) if rng.random() > 0.01 else rng.choice((0.0, -1.0))
+        y = rng.gauss(0, 1) if rng.random() > 0.01 else rng.choice((0.0, math.nan, -0.0, math.inf))
+        if rng.random() < 0.002:
+            slopes.clear()
+            window.clear()
+        slopes.push(x, y)
+        window.push(x, y)
+        slope = slopes.slope()
+        if slope is not None:
+            checked += 1
+            assert len(window) == size and (np.diff(window.x) > 0).all() and np.isfinite(window.y).all()
+            assert np.float64(slope).tobytes() == np.float64(robust_line(window.x, window.y)[1]).tobytes()
+    assert checked > 100
