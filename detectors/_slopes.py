@@ -7,10 +7,11 @@ other pair stays. :class:`SlidingSlopes` keeps those slopes as a sorted list, so
 slide costs two bisections (the global detectors fit a line over a full window on every record: issue #11).
 
 Bit-identical to the numpy fit: each slope is the same IEEE division (``(y2 - y1) / (x2 - x1)``), and the median of
-a multiset is the same float whatever the order it was built in (equal floats have equal bits: the values are
-finite, and a difference of two logs is never ``-0.0`` unless one of them is; :meth:`SlidingSlopes.slope` declines
-such windows). The window must have strictly increasing x (steps) and finite y; otherwise :meth:`slope` is
-``None`` and the caller fits in numpy as before.
+a multiset is the same float whatever the order it was built in (equal floats have equal bits, but for the sign of
+zero: a window with a ``-0.0`` y is declined, so a zero slope is ``+0.0`` unless a difference under ~1e-308
+underflows, and the line fitted with a zero slope of either sign is the same). The window must have strictly
+increasing finite x (steps) and finite y; otherwise :meth:`SlidingSlopes.slope` is ``None`` and the caller fits in
+numpy as before.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ __all__ = ["SlidingSlopes"]
 class SlidingSlopes:
     """The sorted pair slopes of the last ``size`` points pushed (see the module docstring)."""
 
-    __slots__ = ("_bad", "_flags", "_sorted", "_xs", "_ys", "half", "size")
+    __slots__ = ("_bad", "_flags", "_last_x", "_sorted", "_xs", "_ys", "half", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -33,17 +34,19 @@ class SlidingSlopes:
         self._xs: deque[float] = deque()
         self._ys: deque[float] = deque()
         self._flags: deque[bool] = deque()
-        """Per point: its y is not finite or is -0.0, or its x is not past the previous point's."""
+        """Per point: its y is not finite or is -0.0, or its x is not finite or not past the previous point's."""
         self._bad = 0
         """How many flags in the window are set (then no slopes are kept)."""
+        self._last_x = -math.inf
         self._sorted: list[float] | None = None
         """The pair slopes, sorted; ``None`` while the window is not full or has a flagged point."""
 
     def push(self, x: float, y: float) -> None:
         """Append one point, dropping the oldest beyond ``size`` (as ``Window.push``)."""
         xs, ys, flags, h = self._xs, self._ys, self._flags, self.half
-        flag = not (math.isfinite(y) and math.isfinite(x) and (y != 0.0 or math.copysign(1.0, y) > 0)
-                    and (not xs or x > xs[-1]))
+        flag = not (self._last_x < x < math.inf and -math.inf < y < math.inf) or (
+            y == 0.0 and math.copysign(1.0, y) < 0)
+        self._last_x = x
         slopes = self._sorted
         if len(xs) == self.size:
             if slopes is not None and not flag:
@@ -69,6 +72,7 @@ class SlidingSlopes:
         self._ys.clear()
         self._flags.clear()
         self._bad = 0
+        self._last_x = -math.inf
         self._sorted = None
 
     def slope(self) -> float | None:
