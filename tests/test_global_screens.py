@@ -145,3 +145,44 @@ def test_sliding_slopes_are_the_robust_line_slope(seed: int) -> None:
             assert len(window) == size and (np.diff(window.x) > 0).all() and np.isfinite(window.y).all()
             assert np.float64(slope).tobytes() == np.float64(robust_line(window.x, window.y)[1]).tobytes()
     assert checked > 100
+
+
+def _lr_stream(seed: int, n: int = 3000) -> list[float]:
+    """Warm-up, flat stretches (repeated values), a quantised cosine decay, restarts, re-warms, jumps, an int LR,
+    absent / zero / NaN values."""
+    rng = random.Random(seed)
+    out: list[float] = []
+    peak = rng.choice((3e-4, 1e-3, 6e-4))
+    warm = rng.choice((0, 50, 200))
+    for i in range(n):
+        if i < warm:
+            lr = peak * (i + 1) / warm
+        else:
+            t = (i - warm) % 1000 / 1000
+            lr = peak * (0.5 + 0.5 * math.cos(math.pi * t)) if rng.random() < 0.7 or i % 400 < 200 else out[-1]
+        lr = float(f"{lr:.{rng.choice((2, 3, 6))}g}") if i % 3 else lr
+        roll = rng.random()
+        if roll < 0.01:
+            lr *= rng.choice((3.0, 10.0, 1.5))
+        elif roll < 0.02:
+            lr = rng.choice((math.nan, 0.0, -1.0))
+        elif roll < 0.025:
+            lr = 1  # an int, equal to a float 1.0 the next time
+        out.append(lr)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_schedule_shortcut_of_an_unchanged_lr_is_exact(seed: int) -> None:
+    from stability.detectors.schedule import LrSchedule
+
+    fast, slow = LrSchedule(), LrSchedule()
+    slow._steady = False  # every record through the general path
+    for i, lr in enumerate(_lr_stream(seed)):
+        assert repr(fast.update(i, lr)) == repr(slow.update(i, lr)), f"record {i}"
+        if i % 5 == 0:
+            assert msgpack.packb(fast.state_dict(), default=repr) == msgpack.packb(slow.state_dict(), default=repr)
+        if i == 1500:
+            state = fast.state_dict()
+            fast = LrSchedule()
+            fast.load_state_dict(state)
