@@ -8,7 +8,8 @@ subprocess measures what ``stability postmortem`` does: read (a CSV as columns, 
 :func:`stability.postmortem.analyze`), findings + HTML report, and the peak RSS. The baseline measured in the same
 run is a bare ``csv.reader`` / line-split pass over the same file; the ratios say how much slower the post-mortem
 is than reading the bytes. The 1M-step column is extrapolated linearly from the size measured (run ``--steps
-1000000`` to measure it directly).
+1000000`` to measure it directly). ``cpu s``: the child's CPU seconds to read and analyse (less sensitive than the
+wall clock to other jobs on a shared machine).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def measure(path: str, exact: bool) -> None:
 
     out = Path(path).with_suffix(".out")
     t0 = time.perf_counter()
+    c0 = time.process_time()
     table = None if exact else read_columns(path, loss_averaged=False)
     if table is None:
         log = postmortem.load_source(path, loss_averaged=False)
@@ -70,10 +72,12 @@ def measure(path: str, exact: bool) -> None:
         t1 = time.perf_counter()
         result, records = analyze_columns(table, "bench", progress=False)
     t2 = time.perf_counter()
+    c2 = time.process_time()
     postmortem.write_outputs(result, records, json_out=f"{out}.json", html_out=f"{out}.html")
     t3 = time.perf_counter()
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"parse_s": t1 - t0, "analyze_s": t2 - t1, "report_s": t3 - t2, "rss_mb": rss_mb,
+                      "cpu_s": c2 - c0,
                       "records": len(records), "incidents": len(result.incidents),
                       "columnar": table is not None}))
 
@@ -106,7 +110,7 @@ def main() -> None:
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     print(f"{'format':9} {'signals':>7} {'steps':>8} {'parse s':>8} {'detect s':>9} {'report s':>8} {'rss MB':>7} "
-          f"{'bare s':>7} {'x bare':>7} {'1M est s':>9}")
+          f"{'bare s':>7} {'x bare':>7} {'1M est s':>9} {'cpu s':>6}")
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in args.format:
             for signals in args.signals if fmt == "csv" else [12]:
@@ -120,7 +124,7 @@ def main() -> None:
                     total = data["parse_s"] + data["analyze_s"] + data["report_s"]
                     print(f"{fmt:9} {signals:>7} {steps:>8} {data['parse_s']:>8.2f} {data['analyze_s']:>9.2f} "
                           f"{data['report_s']:>8.2f} {data['rss_mb']:>7.0f} {bare:>7.2f} {total / bare:>7.1f} "
-                          f"{total * TARGET_STEPS / steps:>9.0f}", flush=True)
+                          f"{total * TARGET_STEPS / steps:>9.0f} {data['cpu_s']:>6.2f}", flush=True)
                     path.unlink()
 
 

@@ -126,6 +126,8 @@ class DivergenceDetector:
         self._slopes = SlidingSlopes(self.config.window)
         """The window's robust-line slope, kept as the window slides (see the module docstring)."""
         self._trend_slopes = SlidingSlopes(self.config.trend_window)
+        self._smooth = SortedWindow(self.config.trend_smooth)
+        """The last ``trend_smooth`` finite log losses, sorted: their median (the running best's) in O(1)."""
         self._last = SortedWindow(self.config.level_points)
         """The last ``level_points`` accepted points, sorted: the level ``L`` in O(1)."""
         self._best = math.inf
@@ -232,9 +234,10 @@ class DivergenceDetector:
         cfg = self.config
         self._trend.push(record.step, y)
         self._trend_slopes.push(float(record.step), y)
+        self._smooth.push(float(record.step), y)
         ys = self._trend.y
         if len(ys) >= cfg.trend_smooth:
-            smooth = median(ys[-cfg.trend_smooth:])
+            smooth = self._smooth.median if SCREENS and self._smooth.finite else median(ys[-cfg.trend_smooth:])
             if smooth < self._best:
                 self._best, self._best_step = smooth, record.step
         if len(ys) < cfg.trend_window:
@@ -328,8 +331,10 @@ class DivergenceDetector:
         if "trend" in state:
             self._trend.load_state_dict(state["trend"])
         self._trend_slopes.clear()
+        self._smooth.clear()
         for x, y in zip(self._trend.x.tolist(), self._trend.y.tolist(), strict=True):
             self._trend_slopes.push(x, y)
+            self._smooth.push(x, y)
         best = state.get("best")
         self._best = math.inf if best is None else float(best)
         self._best_step = int(state.get("best_step", 0))
