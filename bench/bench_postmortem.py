@@ -82,6 +82,32 @@ def measure(path: str, exact: bool) -> None:
                       "columnar": table is not None}))
 
 
+def per_detector(path: str) -> None:
+    """Child process: CPU microseconds a record of each detector of a rank's suite alone (and the lazy history's
+    push) over the light records the columnar post-mortem replays (global signals only: the per-layer columns of
+    the bench file are screened out)."""
+    from stability.detectors.engine import DiagnoserConfig, RunDiagnoser
+    from stability.fast_postmortem import _rows
+    from stability.sources.columnar import read_columns
+
+    table = read_columns(path, loss_averaged=False)
+    records = list(_rows(table, [i for i, n in enumerate(table.names) if "/" not in n], "bench"))
+    suite = RunDiagnoser(DiagnoserConfig())._suite(0)
+    cost: dict[str, float] = {}
+    for detector in suite.detectors:
+        t0 = time.process_time()
+        for record in records:
+            detector.update(record)
+        cost[detector.name] = time.process_time() - t0
+    t0 = time.process_time()
+    for record in records:
+        suite.history.push(record)
+    cost["history"] = time.process_time() - t0
+    for name, seconds in sorted(cost.items(), key=lambda kv: -kv[1]):
+        print(f"{name:12} {seconds * 1e6 / len(records):7.1f} us")
+    print(f"{'sum':12} {sum(cost.values()) * 1e6 / len(records):7.1f} us")
+
+
 def baseline(path: Path, fmt: str) -> float:
     """Seconds for a bare pass over the file (csv.reader rows / split lines on '|')."""
     import csv
@@ -103,10 +129,16 @@ def main() -> None:
     parser.add_argument("--signals", type=int, nargs="+", default=[4, 100])
     parser.add_argument("--format", nargs="+", default=["csv", "megatron"], choices=["csv", "megatron"])
     parser.add_argument("--exact", action="store_true", help="the row-by-row reference path (postmortem --exact)")
+    parser.add_argument("--detectors", action="store_true",
+                        help="also print each detector's CPU us a record alone (csv, first size)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-detectors", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         measure(args.child, args.exact)
+        return
+    if args.child_detectors:
+        per_detector(args.child_detectors)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     print(f"{'format':9} {'signals':>7} {'steps':>8} {'parse s':>8} {'detect s':>9} {'report s':>8} {'rss MB':>7} "
@@ -122,6 +154,10 @@ def main() -> None:
                     child = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
                     data = json.loads(child.stdout.strip().splitlines()[-1])
                     total = data["parse_s"] + data["analyze_s"] + data["report_s"]
+                    if args.detectors and fmt == "csv" and steps == args.steps[0]:
+                        detectors = [sys.executable, __file__, "--child-detectors", str(path)]
+                        print(subprocess.run(detectors, env=env, check=True, capture_output=True,
+                                             text=True).stdout, end="")
                     print(f"{fmt:9} {signals:>7} {steps:>8} {data['parse_s']:>8.2f} {data['analyze_s']:>9.2f} "
                           f"{data['report_s']:>8.2f} {data['rss_mb']:>7.0f} {bare:>7.2f} {total / bare:>7.1f} "
                           f"{total * TARGET_STEPS / steps:>9.0f} {data['cpu_s']:>6.2f}", flush=True)
