@@ -8,7 +8,8 @@ subprocess measures what ``stability postmortem`` does: read (a CSV as columns, 
 :func:`stability.postmortem.analyze`), findings + HTML report, and the peak RSS. The baseline measured in the same
 run is a bare ``csv.reader`` / line-split pass over the same file; the ratios say how much slower the post-mortem
 is than reading the bytes. The 1M-step column is extrapolated linearly from the size measured (run ``--steps
-1000000`` to measure it directly).
+1000000`` to measure it directly). ``cpu s``: the child's CPU seconds to read and analyse (less sensitive than the
+wall clock to other jobs on a shared machine).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def measure(path: str, exact: bool) -> None:
 
     out = Path(path).with_suffix(".out")
     t0 = time.perf_counter()
+    c0 = time.process_time()
     table = None if exact else read_columns(path, loss_averaged=False)
     if table is None:
         log = postmortem.load_source(path, loss_averaged=False)
@@ -70,12 +72,40 @@ def measure(path: str, exact: bool) -> None:
         t1 = time.perf_counter()
         result, records = analyze_columns(table, "bench", progress=False)
     t2 = time.perf_counter()
+    c2 = time.process_time()
     postmortem.write_outputs(result, records, json_out=f"{out}.json", html_out=f"{out}.html")
     t3 = time.perf_counter()
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"parse_s": t1 - t0, "analyze_s": t2 - t1, "report_s": t3 - t2, "rss_mb": rss_mb,
+                      "cpu_s": c2 - c0,
                       "records": len(records), "incidents": len(result.incidents),
                       "columnar": table is not None}))
+
+
+def per_detector(path: str) -> None:
+    """Child process: CPU microseconds a record of each detector of a rank's suite alone (and the lazy history's
+    push) over the light records the columnar post-mortem replays (global signals only: the per-layer columns of
+    the bench file are screened out)."""
+    from stability.detectors.engine import DiagnoserConfig, RunDiagnoser
+    from stability.fast_postmortem import _rows
+    from stability.sources.columnar import read_columns
+
+    table = read_columns(path, loss_averaged=False)
+    records = list(_rows(table, [i for i, n in enumerate(table.names) if "/" not in n], "bench"))
+    suite = RunDiagnoser(DiagnoserConfig())._suite(0)
+    cost: dict[str, float] = {}
+    for detector in suite.detectors:
+        t0 = time.process_time()
+        for record in records:
+            detector.update(record)
+        cost[detector.name] = time.process_time() - t0
+    t0 = time.process_time()
+    for record in records:
+        suite.history.push(record)
+    cost["history"] = time.process_time() - t0
+    for name, seconds in sorted(cost.items(), key=lambda kv: -kv[1]):
+        print(f"{name:12} {seconds * 1e6 / len(records):7.1f} us")
+    print(f"{'sum':12} {sum(cost.values()) * 1e6 / len(records):7.1f} us")
 
 
 def baseline(path: Path, fmt: str) -> float:
@@ -99,14 +129,20 @@ def main() -> None:
     parser.add_argument("--signals", type=int, nargs="+", default=[4, 100])
     parser.add_argument("--format", nargs="+", default=["csv", "megatron"], choices=["csv", "megatron"])
     parser.add_argument("--exact", action="store_true", help="the row-by-row reference path (postmortem --exact)")
+    parser.add_argument("--detectors", action="store_true",
+                        help="also print each detector's CPU us a record alone (csv, first size)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-detectors", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         measure(args.child, args.exact)
         return
+    if args.child_detectors:
+        per_detector(args.child_detectors)
+        return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     print(f"{'format':9} {'signals':>7} {'steps':>8} {'parse s':>8} {'detect s':>9} {'report s':>8} {'rss MB':>7} "
-          f"{'bare s':>7} {'x bare':>7} {'1M est s':>9}")
+          f"{'bare s':>7} {'x bare':>7} {'1M est s':>9} {'cpu s':>6}")
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in args.format:
             for signals in args.signals if fmt == "csv" else [12]:
@@ -118,9 +154,13 @@ def main() -> None:
                     child = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
                     data = json.loads(child.stdout.strip().splitlines()[-1])
                     total = data["parse_s"] + data["analyze_s"] + data["report_s"]
+                    if args.detectors and fmt == "csv" and steps == args.steps[0]:
+                        detectors = [sys.executable, __file__, "--child-detectors", str(path)]
+                        print(subprocess.run(detectors, env=env, check=True, capture_output=True,
+                                             text=True).stdout, end="")
                     print(f"{fmt:9} {signals:>7} {steps:>8} {data['parse_s']:>8.2f} {data['analyze_s']:>9.2f} "
                           f"{data['report_s']:>8.2f} {data['rss_mb']:>7.0f} {bare:>7.2f} {total / bare:>7.1f} "
-                          f"{total * TARGET_STEPS / steps:>9.0f}", flush=True)
+                          f"{total * TARGET_STEPS / steps:>9.0f} {data['cpu_s']:>6.2f}", flush=True)
                     path.unlink()
 
 

@@ -22,12 +22,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "pack_floats", "pack_window",
-           "plural", "predict_line", "robust_line", "safe_exp", "times", "unpack_floats", "unpack_window"]
+__all__ = ["SCREEN_MARGIN", "Baseline", "Prediction", "Window", "log_positive", "mad_scale", "median", "median_of",
+           "pack_floats", "pack_window", "line_level", "plural", "predict_level", "predict_line", "robust_line",
+           "safe_exp", "times", "unpack_floats", "unpack_window"]
 
 _I8 = np.dtype("<i8")
 _EXACT_INT = 2.0**53
 """Integers below this in magnitude are exact in float64 (window x values: steps)."""
+
+SCREEN_MARGIN = 1e-9
+"""Slack (log units) between a detector's screen bound and its threshold (beyond the bound's own): a screen decides
+only values clearly on the quiet side; the others take the exact fit."""
 
 MAD_TO_SIGMA = 1.4826
 """Consistency constant: 1.4826 * MAD estimates sigma for Gaussian data."""
@@ -45,6 +50,25 @@ def median(values: np.ndarray) -> float:
     Python sort does not order) takes the ``np.partition`` path.
     """
     return _median(values, scratch=False)
+
+
+def median_of(items: list[float]) -> float:
+    """``median(np.array(items))`` of a short non-empty list of floats without building the array (the same
+    float: the same Python sort path; long lists, NaN and a zero result go through :func:`median`)."""
+    n = len(items)
+    if n <= _SORT_MAX:
+        total = sum(items)
+        if total == total:
+            ordered = sorted(items)
+            mid = 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
+            if mid != 0.0:
+                return mid
+    return median(np.array(items, dtype=np.float64))
+
+
+def line_level(x: np.ndarray, y: np.ndarray, slope: float) -> float:
+    """``robust_line(x, y)[0]`` given its slope (at least 2 points): the median of ``y - slope * (x - x[-1])``."""
+    return _median(y - slope * (x - x[-1]), scratch=True)
 
 
 def _median(values: np.ndarray, *, scratch: bool) -> float:
@@ -222,6 +246,16 @@ def predict_line(xs: np.ndarray, ys: np.ndarray, x: float, *, min_points: int, s
         residuals = ys - (level + slope * to_end)
     scale = max(_mad_scale_scratch(residuals), scale_floor)
     return Prediction(level + slope * (x - xs[-1]), scale, len(ys))
+
+
+def predict_level(xs: np.ndarray, ys: np.ndarray, x: float) -> float:
+    """``predict_line(xs, ys, x, ...).level`` with at least ``min_points`` points (the robust line's prediction, the
+    same float by the same operations) without the residual scale."""
+    if len(ys) // 2 == 0:
+        level, slope = robust_line(xs, ys)
+        return level + slope * (x - xs[-1])  # type: ignore[no-any-return]
+    level, slope = _line(xs, ys, xs - xs[-1])
+    return level + slope * (x - xs[-1])  # type: ignore[no-any-return]
 
 
 class Baseline:

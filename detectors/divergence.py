@@ -46,11 +46,27 @@ from typing import Any
 
 import numpy as np
 
-from stability.detectors._stats import Window, log_positive, mad_scale, median, robust_line, safe_exp, times
+from stability.detectors._rolling import SortedWindow
+from stability.detectors._slopes import SlidingSlopes
+from stability.detectors._stats import (
+    SCREEN_MARGIN,
+    Window,
+    line_level,
+    log_positive,
+    mad_scale,
+    median,
+    median_of,
+    robust_line,
+    safe_exp,
+    times,
+)
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord, loss_steps
 
-__all__ = ["DivergenceConfig", "DivergenceDetector", "mann_kendall_z"]
+__all__ = ["SCREENS", "DivergenceConfig", "DivergenceDetector", "mann_kendall_z"]
+
+SCREENS = True
+"""Take the exact shortcuts of the module docstring (tests switch them off to compare with the full fits)."""
 
 
 def mann_kendall_z(y: np.ndarray) -> float:
@@ -107,6 +123,13 @@ class DivergenceDetector:
         self._rises = 0
         self._rise_from = (0, 0.0)
         self._trend = Window(self.config.trend_window)
+        self._slopes = SlidingSlopes(self.config.window)
+        """The window's robust-line slope, kept as the window slides (see the module docstring)."""
+        self._trend_slopes = SlidingSlopes(self.config.trend_window)
+        self._smooth = SortedWindow(self.config.trend_smooth)
+        """The last ``trend_smooth`` finite log losses, sorted: their median (the running best's) in O(1)."""
+        self._last = SortedWindow(self.config.level_points)
+        """The last ``level_points`` accepted points, sorted: the level ``L`` in O(1)."""
         self._best = math.inf
         self._best_step = 0
         self._trend_run = 0
@@ -121,28 +144,18 @@ class DivergenceDetector:
         rise = self._rise(record, y)
         trend = self._trend_rule(record, y)
         if len(self._window) < cfg.window:
-            self._window.push(record.step, y)
+            self._accept(record.step, y)
             if rise is None or self._fired:
                 return []
             self._fired, self._since_fired = True, 0
             onset, base = self._rise_from
             return [self._finding(record, y, rise, onset, ratio=safe_exp(y - base), level=base, z=math.nan,
                                   what="loss")]
-        xs, ys = self._window.x, self._window.y
-        level_at_end, slope = robust_line(xs, ys)
-        scale = max(mad_scale(ys - (level_at_end + slope * (xs - xs[-1]))), cfg.scale_floor)
-        level = median(ys[-cfg.level_points :])
-        z = (y - level) / scale
-        self._ph = max(0.0, self._ph + min(z, cfg.clip) - cfg.delta)
-        if self._ph == 0.0:
-            self._onset = None
-        elif self._onset is None:
-            self._onset = record.step
-        smoothed = median(np.fromiter(self._recent, dtype=np.float64))
-        # 2x, and beyond the noise: a loss spanning decades per step (a CNN near 0 loss) doubles its median by chance
-        self._above = self._above + 1 if smoothed - level >= max(math.log(cfg.backstop_ratio), 2 * scale) else 0
+        level = self._last.median if SCREENS and self._last.finite else median(self._window.y[-cfg.level_points:])
+        smoothed = median_of(list(self._recent))
+        z = self._statistic(record.step, y, level, smoothed, need_z=rise is not None)
         if self._ph < cfg.freeze and self._above == 0:
-            self._window.push(record.step, y)
+            self._accept(record.step, y)
             self._fired = False
         if self._fired:
             self._cool()
@@ -161,11 +174,52 @@ class DivergenceDetector:
         self._fired, self._since_fired = True, 0
         return [self._finding(record, y, why, onset, ratio=safe_exp(smoothed - level), level=level, z=z)]
 
+    def _statistic(self, step: int, y: float, level: float, smoothed: float, *, need_z: bool) -> float:
+        """Update the Page-Hinkley statistic, its onset and the backstop count for ``y``; return its robust z
+        (``nan`` when the screen decided without it and ``need_z`` is false)."""
+        cfg = self.config
+        if (SCREENS and self._ph == 0.0 and y - level < cfg.scale_floor - SCREEN_MARGIN
+                and smoothed - level < math.log(cfg.backstop_ratio) - SCREEN_MARGIN):
+            # z < 1 whatever the scale (>= scale_floor): the statistic stays at 0; not 2x up: no backstop count
+            self._onset, self._above = None, 0
+            return self._z(y, level)[0] if need_z else math.nan
+        z, scale = self._z(y, level)
+        self._ph = max(0.0, self._ph + min(z, cfg.clip) - cfg.delta)
+        if self._ph == 0.0:
+            self._onset = None
+        elif self._onset is None:
+            self._onset = step
+        # 2x, and beyond the noise: a loss spanning decades per step (a CNN near 0 loss) doubles its median by chance
+        self._above = self._above + 1 if smoothed - level >= max(math.log(cfg.backstop_ratio), 2 * scale) else 0
+        return z
+
+    def _z(self, y: float, level: float) -> tuple[float, float]:
+        """The robust z of ``y`` over ``level`` and the scale of the window's residuals around its robust line."""
+        xs, ys = self._window.x, self._window.y
+        slope = self._slopes.slope() if SCREENS else None
+        if slope is None:
+            level_at_end, slope = robust_line(xs, ys)
+        else:
+            level_at_end = line_level(xs, ys, slope)
+        scale = max(mad_scale(ys - (level_at_end + slope * (xs - xs[-1]))), self.config.scale_floor)
+        return (y - level) / scale, scale
+
+    def _accept(self, x: int, y: float) -> None:
+        """Add a point to the window (and its sorted views)."""
+        self._window.push(x, y)
+        self._slopes.push(float(x), y)
+        self._last.push(float(x), y)
+
+    def _clear(self) -> None:
+        self._window.clear()
+        self._slopes.clear()
+        self._last.clear()
+
     def _cool(self) -> None:
         """After a divergence: re-baseline once it has lasted ``rebaseline`` records (a new regime)."""
         self._since_fired += 1
         if self._since_fired >= self.config.rebaseline:
-            self._window.clear()
+            self._clear()
             self._ph, self._onset, self._above, self._fired, self._since_fired = 0.0, None, 0, False, 0
 
     def _trend_finding(self, record: StepRecord, y: float, trend: tuple[str, int, float]) -> list[Finding]:
@@ -179,14 +233,23 @@ class DivergenceDetector:
         ``trend_excess`` above it, else ``None``."""
         cfg = self.config
         self._trend.push(record.step, y)
+        self._trend_slopes.push(float(record.step), y)
+        self._smooth.push(float(record.step), y)
         ys = self._trend.y
         if len(ys) >= cfg.trend_smooth:
-            smooth = median(ys[-cfg.trend_smooth:])
+            smooth = self._smooth.median if SCREENS and self._smooth.finite else median(ys[-cfg.trend_smooth:])
             if smooth < self._best:
                 self._best, self._best_step = smooth, record.step
         if len(ys) < cfg.trend_window:
             return None
-        level, slope = robust_line(self._trend.x, ys)
+        known = self._trend_slopes.slope() if SCREENS else None
+        if known is not None and known <= 0:
+            self._trend_run = 0  # hit needs slope > 0: the level is not needed
+            return None
+        if known is None:
+            level, slope = robust_line(self._trend.x, ys)
+        else:
+            level, slope = line_level(self._trend.x, ys, known), known
         excess = level - self._best
         hit = slope > 0 and excess >= cfg.trend_excess  # needed >= trend_excess: skip the noise when this fails
         if hit:
@@ -249,6 +312,11 @@ class DivergenceDetector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self._window.load_state_dict(state["window"])
+        self._slopes.clear()
+        self._last.clear()
+        for x, y in zip(self._window.x.tolist(), self._window.y.tolist(), strict=True):
+            self._slopes.push(x, y)
+            self._last.push(x, y)
         self._recent = deque((float(v) for v in state["recent"]), maxlen=self.config.smooth)
         self._ph = float(state["ph"])
         self._onset = None if state["onset"] is None else int(state["onset"])
@@ -262,6 +330,11 @@ class DivergenceDetector:
         self._rise_from = (int(step), float(base))
         if "trend" in state:
             self._trend.load_state_dict(state["trend"])
+        self._trend_slopes.clear()
+        self._smooth.clear()
+        for x, y in zip(self._trend.x.tolist(), self._trend.y.tolist(), strict=True):
+            self._trend_slopes.push(x, y)
+            self._smooth.push(x, y)
         best = state.get("best")
         self._best = math.inf if best is None else float(best)
         self._best_step = int(state.get("best_step", 0))

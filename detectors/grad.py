@@ -12,18 +12,24 @@
   unchanged), and the finding is INFO with ``evidence["reverted"]`` (ranked ``bad_batch``); the clean llm.c run has
   such a 7.5x blip at step 9025 whose next value is 1.26x. A jump is a one-step event only if it reverts: one that
   stays up is an error or a warning as above.
+* **Screen** (exact, issue #11): a value less than ``ratio_threshold`` over
+  :func:`~stability.detectors._rolling.level_lower_bound` (a bound of the line's prediction, and of the median in
+  the few-points regime, from the window's sorted values) cannot be a candidate, so it is accepted without the fit;
+  only values near or over the bound take :meth:`~stability.detectors._rolling.FastBaseline.predict`.
 * Per-layer ``grad_norm/<module>`` is not judged here: :data:`~stability.detectors.update.LAYER_GRAD` (a layer
   20x over its own level) alarms on it, and the ranking uses it (which layer moved first).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from stability.detectors._candidate import candidate_finding
-from stability.detectors._stats import Baseline, Prediction, log_positive, safe_exp, times
+from stability.detectors._rolling import FastBaseline, level_lower_bound
+from stability.detectors._stats import SCREEN_MARGIN, Prediction, log_positive, safe_exp, times
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord
 
@@ -57,10 +63,12 @@ class GradExplosionDetector:
     def __init__(self, config: GradConfig | None = None) -> None:
         self.config = config or GradConfig()
         cfg = self.config
-        self._base = Baseline(window=cfg.window, min_points=cfg.min_points, scale_floor=cfg.scale_floor)
+        self._base = FastBaseline(window=cfg.window, min_points=cfg.min_points, scale_floor=cfg.scale_floor)
         self._losses: deque[float] = deque(maxlen=cfg.loss_window)
         self._pending: dict[str, Any] | None = None
         self._active: dict[str, Any] | None = None
+        self._quiet = math.log(cfg.ratio_threshold) - SCREEN_MARGIN
+        """A value less than this (log) over :func:`level_lower_bound` cannot be a candidate (no fit needed)."""
 
     def _loss_ratio(self, record: StepRecord) -> float:
         loss = log_positive(record.get("loss"))
@@ -112,6 +120,9 @@ class GradExplosionDetector:
         if len(self._base) < self.config.few_min_points:
             self._base.accept(record.step, y)
             return []
+        if y - level_lower_bound(self._base, record.step) < self._quiet:
+            self._base.accept(record.step, y)  # under ratio_threshold over the line, whatever its fit: no candidate
+            return []
         pred = self._base.predict(record.step)
         if not self._candidate(y, pred):
             self._base.accept(record.step, y)
@@ -139,7 +150,7 @@ class GradExplosionDetector:
         active["records"] += 1
         if active["records"] > self.config.max_active:
             self._active = None
-            self._base.window.clear()
+            self._base.clear()
             self._base.accept(record.step, y)
         return []
 

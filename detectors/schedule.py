@@ -149,10 +149,19 @@ class LrSchedule:
         """The current rise started with a jump out of the annealed floor (a re-warm)."""
         self.restart: tuple[float, int, int] | None = None
         """Departure level before a restart seen at the previous record (restored if the LR keeps rising)."""
+        self._steady = self.config.noise >= 0
+        """An unchanged LR cannot count as a rise (``lr > lr * (1 + noise)`` is false): :meth:`update`'s shortcut."""
 
     def update(self, step: int, lr: float) -> OffSchedule | None:
         """Consume the LR of one record (non-finite or non-positive values are ignored); an unexplained rise
         the first time it is seen."""
+        if lr == self.last and not self.warming and self._steady and self.last is not None:
+            # the same LR again after the warm-up (most records): what the general path below does then, less
+            # its tests that cannot pass (no rise, no jump, no quantum change)
+            self.records += 1
+            self.last, self.last_step, prev_step = lr, step, self.last_step
+            self.flat_run += 1
+            return self._judge(step, lr, lr, prev_step)
         if not math.isfinite(lr) or lr <= 0:
             return None
         cfg = self.config
@@ -247,7 +256,7 @@ class LrSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state (``quantum`` is ``None`` while unknown)."""
-        state = {k: v for k, v in vars(self).items() if k != "config"}
+        state = {k: v for k, v in vars(self).items() if k not in ("config", "_steady")}
         state["quantum"] = None if math.isinf(self.quantum) else self.quantum
         return state
 

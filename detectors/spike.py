@@ -33,6 +33,12 @@ Rules (calibrated on the clean modded-nanogpt baselines in ``/work/shared/data/r
   A record more than ``max_gap`` (100) steps after the spike's last one closes it (nothing is known in the gap:
   an excerpt, a resume) and is judged afresh against the pre-spike baseline; a candidate whose next record is
   that far is reported unconfirmed (WARNING), as at the end of the records.
+* **Screen** (exact, issue #11): with ``min_points`` points or more, a loss less than ``ratio_threshold`` over
+  :func:`~stability.detectors._rolling.level_lower_bound` cannot be a candidate, so it is accepted without the
+  line fit. Its rise over the line (the heavy-tail rule's history) is then kept *lazily*: the record's window is
+  the ``window`` accepted points before it (an append-only log of the accepted points since the last re-baseline
+  holds them), and the rise is fitted only when the tail rule or :meth:`~SpikeDetector.state_dict` reads it (a
+  candidate past the ratio and z tests; a snapshot). Same floats, same state.
 """
 
 from __future__ import annotations
@@ -43,8 +49,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from stability.detectors._candidate import candidate_finding
-from stability.detectors._stats import Baseline, Prediction, log_positive, safe_exp, times
+from stability.detectors._rolling import FastBaseline, level_lower_bound
+from stability.detectors._stats import SCREEN_MARGIN, Prediction, log_positive, predict_level, safe_exp, times
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord, loss_steps
 
@@ -82,10 +91,55 @@ class SpikeDetector:
     def __init__(self, config: SpikeConfig | None = None) -> None:
         self.config = config or SpikeConfig()
         cfg = self.config
-        self._base = Baseline(window=cfg.window, min_points=cfg.min_points, scale_floor=cfg.scale_floor)
+        self._base = FastBaseline(window=cfg.window, min_points=cfg.min_points, scale_floor=cfg.scale_floor)
         self._pending: dict[str, Any] | None = None
         self._active: dict[str, Any] | None = None
-        self._jumps: deque[float] = deque(maxlen=cfg.window)
+        self._jumps: deque[float | int] = deque(maxlen=cfg.window)
+        """Rises over the line of the last ``window`` judged records; an ``int`` is a lazy one (an index of
+        :attr:`_lazy`) until :meth:`_resolve` fits it."""
+        self._lazy: dict[int, tuple[int, float, float]] = {}
+        """Lazy rises: id -> (end of the record's window in the accepted log, step, log loss)."""
+        self._next_lazy = 0
+        self._log_x: list[float] = []
+        self._log_y: list[float] = []
+        self._log_start = 0
+        """The accepted points since the last re-baseline (from absolute index ``_log_start``; see the module
+        docstring): a lazy rise's window is the ``window`` points before its end."""
+        self._quiet = math.log(cfg.ratio_threshold) - SCREEN_MARGIN
+
+    def _accept(self, x: int, y: float) -> None:
+        """Add a point to the baseline and the accepted log (trimmed to what the lazy rises can still need)."""
+        self._base.accept(x, y)
+        self._log_x.append(float(x))
+        self._log_y.append(y)
+        window = self.config.window
+        if len(self._log_x) >= 4 * window:  # keep the window of the oldest lazy rise (or the baseline's)
+            end = next(iter(self._lazy.values()))[0] if self._lazy else self._log_start + len(self._log_x)
+            drop = max(0, end - window) - self._log_start
+            if drop > 0:
+                del self._log_x[:drop], self._log_y[:drop]
+                self._log_start += drop
+
+    def _rebaseline(self) -> None:
+        """Clear the baseline (and the log, once the lazy rises that read it are fitted)."""
+        self._resolve()
+        self._base.clear()
+        self._log_x, self._log_y, self._log_start = [], [], 0
+
+    def _resolve(self) -> deque[float]:
+        """The rises with every lazy one fitted (the same float as the fit at its record)."""
+        if self._lazy:
+            window = self.config.window
+            for i in range(len(self._jumps)):
+                item = self._jumps[i]
+                if type(item) is int:
+                    end, x, y = self._lazy[item]
+                    a, b = max(0, end - window) - self._log_start, end - self._log_start
+                    xs = np.array(self._log_x[a:b], dtype=np.float64)
+                    ys = np.array(self._log_y[a:b], dtype=np.float64)
+                    self._jumps[i] = y - predict_level(xs, ys, x)
+            self._lazy.clear()
+        return self._jumps  # type: ignore[return-value]
 
     def _anomalous(self, y: float, pred: Prediction) -> bool:
         ratio = safe_exp(y - pred.level)
@@ -100,7 +154,7 @@ class SpikeDetector:
         k = self.config.tail_rank
         if len(self._jumps) < k:
             return 0.0
-        return max(0.0, heapq.nlargest(k, self._jumps)[-1])
+        return max(0.0, heapq.nlargest(k, self._resolve())[-1])
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
@@ -138,7 +192,7 @@ class SpikeDetector:
             return [self._confirm(record, y, pending)]
         if self._recovered(y, pending):
             self._pending = None
-            self._base.accept(record.step, y)
+            self._accept(record.step, y)
             return [self._reverted(record, pending)]
         pending["waited"] = pending.get("waited", 0) + 1
         if pending["waited"] > self.config.max_wait:  # neither back nor spiking again: it stayed up
@@ -151,14 +205,18 @@ class SpikeDetector:
         steps = loss_steps(record)
         needed = 1 if steps >= self.config.few_min_points else self.config.few_min_points
         if len(self._base) < needed:
-            self._base.accept(record.step, y)
+            self._accept(record.step, y)
+            return []
+        if len(self._base) >= self.config.min_points and y - level_lower_bound(self._base, record.step) < self._quiet:
+            self._lazy_jump(record.step, y)  # under ratio_threshold over the line, whatever its fit: accepted
+            self._accept(record.step, y)
             return []
         pred = self._base.predict(record.step)
         anomalous = self._anomalous(y, pred)
         if pred.points >= self.config.min_points:
-            self._jumps.append(y - pred.level)
+            self._push_jump(y - pred.level)
         if not anomalous:
-            self._base.accept(record.step, y)
+            self._accept(record.step, y)
             return []
         ratio = safe_exp(y - pred.level)
         cand = {"step": record.step, "y": y, "level": pred.level, "scale": pred.scale, "ratio": ratio,
@@ -174,6 +232,19 @@ class SpikeDetector:
                                   extra={"loss_steps": steps} if steps > 1 else None)]
         self._pending = cand
         return []
+
+    def _lazy_jump(self, x: int, y: float) -> None:
+        """Append the rise of ``y`` over the line through the current window, to be fitted when read."""
+        self._lazy[self._next_lazy] = (self._log_start + len(self._log_x), x, y)
+        self._push_jump(self._next_lazy)
+        self._next_lazy += 1
+
+    def _push_jump(self, item: float | int) -> None:
+        """Append a rise (or a lazy one's id), forgetting the lazy one the full deque drops."""
+        jumps = self._jumps
+        if len(jumps) == jumps.maxlen and type(jumps[0]) is int:
+            del self._lazy[jumps[0]]  # type: ignore[index]
+        jumps.append(item)
 
     def _confirm(self, record: StepRecord, y: float, cand: dict[str, Any]) -> Finding:
         ratio_now = safe_exp(y - cand["level"])
@@ -205,15 +276,15 @@ class SpikeDetector:
         assert active is not None
         if self._recovered(y, active):
             self._active = None
-            self._base.accept(record.step, y)
+            self._accept(record.step, y)
             return [self._close(record, active, f"back to baseline at step {record.step}")]
         active["last"] = record.step
         active["peak"] = max(active["peak"], safe_exp(y - active["level"]))
         active["records"] += 1
         if active["records"] > self.config.max_active:
             self._active = None
-            self._base.window.clear()
-            self._base.accept(record.step, y)
+            self._rebaseline()
+            self._accept(record.step, y)
         return []
 
     def _close(self, record: StepRecord, active: dict[str, Any], why: str) -> Finding:
@@ -245,11 +316,13 @@ class SpikeDetector:
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
         return {"base": self._base.state_dict(), "pending": self._pending,
-                "active": None if self._active is None else dict(self._active), "jumps": list(self._jumps)}
+                "active": None if self._active is None else dict(self._active), "jumps": list(self._resolve())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self._base.load_state_dict(state["base"])
+        self._log_x, self._log_y, self._log_start = self._base.steps(), self._base.values(), 0
+        self._lazy.clear()
         self._pending = None if state["pending"] is None else dict(state["pending"])
         self._active = None if state["active"] is None else dict(state["active"])
         self._jumps.clear()

@@ -178,11 +178,18 @@ def quiet_columns(table: ColumnarCsv, skipped: np.ndarray, config: DiagnoserConf
 class _Feed:
     """Shared by the histories of one replay: the records in feed order and how many were pushed."""
 
-    def __init__(self, records: Sequence[StepRecord], table: ColumnarCsv, tracked: list[int]) -> None:
+    def __init__(self, records: Sequence[StepRecord], table: ColumnarCsv, tracked: list[int],
+                 kept: list[int] | None = None) -> None:
         self.records = records
         self.row = 0
         self.skipped = bytearray(len(records))
         self.table = table
+        glob = [i for i in (kept or []) if "/" not in table.names[i]]
+        self.glob_names = [table.names[i] for i in glob]
+        """The global signals every record carries (their names in record order), when no cell of them is absent:
+        a pushed record's global values are then a row of :attr:`glob_values` (``None``: read the record)."""
+        dense = bool(glob) and all(table.present[i] is None for i in glob)
+        self.glob_values = np.stack([table.values[i] for i in glob], axis=1) if dense else None
         self.tracked = tracked
         """Indices of the columns the engine's history would keep (``TRACKED_QUANTITIES`` per module)."""
         stats = [i for i in tracked if split_signal(table.names[i])[0] in STEP_STATISTICS]
@@ -262,7 +269,10 @@ class ColumnHistory(History):
         feed.skipped[row] = skipped
         if self.first_step is None:
             self.first_step = record.step
-        self.globals.push(record.step, {k: v for k, v in record.signals.items() if "/" not in k})
+        if feed.glob_values is not None and not skipped:  # the record's global signals, from the columns
+            self.globals.push_layout(record.step, feed.glob_names, feed.glob_values[row])
+        else:
+            self.globals.push(record.step, {k: v for k, v in record.signals.items() if "/" not in k})
         self.modules.note(row, skipped)  # type: ignore[attr-defined]
         self.lr.update(record.step, record.get("lr"))
 
@@ -303,7 +313,7 @@ def analyze_columns(table: ColumnarCsv, run_id: str, *, config: DiagnoserConfig 
     if quiet:
         tracked = [i for i, n in enumerate(table.names)
                    if (q := split_signal(n))[1] is not None and q[0] in TRACKED_QUANTITIES]
-        feed = _Feed(records, table, tracked)
+        feed = _Feed(records, table, tracked, kept)
 
         def factory() -> History:
             return ColumnHistory(feed, steps=config.history_steps, module_steps=config.module_history_steps,
