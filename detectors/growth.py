@@ -374,7 +374,7 @@ class _VectorGrowth:
     def _learnt_then_jumped(self, xs: np.ndarray, medians: np.ndarray, low: int) -> bool:
         """The rise since ``low`` is a learning phase plus a later jump: split at the largest rise over ``smooth``
         records, the part before it came while the loss fell and then sat flat (under an eighth of the rise over
-        the ``short_window`` records before the jump), and the part from it on is under ``growth``. Such a
+        the ``mid_window`` records before the jump), and the part from it on is under ``growth``. Such a
         rise is no slow growth (the loss spike after the jump hid the learning from :meth:`_judge`'s check over the
         whole span and dated a "slow growth" from the learning phase: the demo's LR spike at step 240 once showed
         onset 82)."""
@@ -384,9 +384,9 @@ class _VectorGrowth:
             return False
         jump = low + int(np.argmax(medians[low + k:] - medians[low:-k]))  # medians[jump] is the level before it
         rise = float(medians[-1] - medians[low])
-        if jump - cfg.short_window < low or medians[-1] - medians[jump] >= math.log(cfg.growth):
+        if jump - cfg.mid_window < low or medians[-1] - medians[jump] >= math.log(cfg.growth):
             return False
-        if medians[jump] - medians[jump - cfg.short_window] > rise / 8:
+        if medians[jump] - medians[jump - cfg.mid_window] > rise / 8:
             return False  # no flat stretch before the jump: one steady growth (an attention-LR fault) goes on
         fell = self._loss_fell(float(xs[low]), float(xs[jump + k - 1]))
         return fell is not None and fell >= cfg.learning_drop
