@@ -149,6 +149,9 @@ def hook_scope() -> Iterator[None]:
         _hook_state.active = previous
 
 
+_HookTargets = tuple[tuple[tuple[str, torch.nn.Module], ...], tuple[torch.nn.Module, ...]]
+"""The (name, module) pairs given activation hooks and the roots given the model-output hook."""
+
 _COMPILE_CHECK: Callable[[], bool] | None = getattr(torch.compiler, "is_compiling", None)
 """Looked up once: every hook call asks it."""
 
@@ -278,7 +281,7 @@ class Capture:
         self._handles: list[RemovableHandle] = []
         self._discovery: list[RemovableHandle] = []
         self._step_hooks: list[RemovableHandle] = []
-        self._step_hook_targets: tuple[tuple[tuple[str, torch.nn.Module], ...], tuple[torch.nn.Module, ...]] | None = None
+        self._step_hook_targets: _HookTargets | None = None
         """The (name, module) pairs and the roots ``_step_hooks`` were registered for."""
         self._roots: list[torch.nn.Module] = []
         self._optimizer: torch.optim.Optimizer | None = None
@@ -451,6 +454,7 @@ class Capture:
         for handle in (*self._handles, *self._discovery, *self._step_hooks):
             handle.remove()
         self._handles, self._discovery, self._step_hooks = [], [], []
+        self._step_hook_targets = None
         self._candidates.clear()
         if self._reader is not None and not self._reader.close(timeout):
             logger.warning("stability: capture closed with records still pending after %.1f s", timeout)
@@ -1093,17 +1097,18 @@ class Capture:
         due = self._stats_due(self._step)
         if self._manual() and self._rhythm.late:  # the next step's forward runs before this step ends
             due = due or self._stats_due(self._step + 1)
+        due = due and self._live() and bool(self._roots)
         wanted: list[tuple[str, torch.nn.Module]] = []
-        if self._live() and self._roots and due:
+        if due:
             layout = self._layout or build_layout(self._roots, None)
             wanted = layout.activation_modules(self.config.max_act_modules)
         targets = (tuple(wanted), tuple(self._roots))  # modules compare by identity
-        if wanted and self._step_hooks and targets == self._step_hook_targets:
+        if due and self._step_hook_targets is not None and targets == self._step_hook_targets:
             return
         for handle in self._step_hooks:
             handle.remove()
         self._step_hooks, self._step_hook_targets = [], None
-        if not wanted:
+        if not due:
             return
         for name, module in wanted:
             self._step_hooks.append(module.register_forward_hook(functools.partial(self._on_activation, name)))
