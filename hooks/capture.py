@@ -149,9 +149,15 @@ def hook_scope() -> Iterator[None]:
         _hook_state.active = previous
 
 
+_HookTargets = tuple[tuple[tuple[str, torch.nn.Module], ...], tuple[torch.nn.Module, ...]]
+"""The (name, module) pairs given activation hooks and the roots given the model-output hook."""
+
+_COMPILE_CHECK: Callable[[], bool] | None = getattr(torch.compiler, "is_compiling", None)
+"""Looked up once: every hook call asks it."""
+
+
 def _is_compiling() -> bool:
-    check = getattr(torch.compiler, "is_compiling", None)
-    return bool(check()) if check is not None else False
+    return _COMPILE_CHECK is not None and bool(_COMPILE_CHECK())
 
 
 def _hook(method: Callable[Concatenate[Capture, _P], None]) -> Callable[Concatenate[Capture, _P], None]:
@@ -275,6 +281,8 @@ class Capture:
         self._handles: list[RemovableHandle] = []
         self._discovery: list[RemovableHandle] = []
         self._step_hooks: list[RemovableHandle] = []
+        self._step_hook_targets: _HookTargets | None = None
+        """The (name, module) pairs and the roots ``_step_hooks`` were registered for."""
         self._roots: list[torch.nn.Module] = []
         self._optimizer: torch.optim.Optimizer | None = None
         self._ignored: set[int] = set()
@@ -446,6 +454,7 @@ class Capture:
         for handle in (*self._handles, *self._discovery, *self._step_hooks):
             handle.remove()
         self._handles, self._discovery, self._step_hooks = [], [], []
+        self._step_hook_targets = None
         self._candidates.clear()
         if self._reader is not None and not self._reader.close(timeout):
             logger.warning("stability: capture closed with records still pending after %.1f s", timeout)
@@ -1002,16 +1011,21 @@ class Capture:
         or None when no parameter has one (not an Adam-family optimizer)."""
         if optimizer is None:
             return None
-        beta2_of = {id(p): float(g.get("betas", (0.9, 0.999))[1]) for g in optimizer.param_groups for p in g["params"]}
+        groups = optimizer.param_groups
+        betas = [float(g.get("betas", (0.9, 0.999))[1]) for g in groups]
+        state = optimizer.state
+        found = [state.get(p) for p in params]
         vs: list[torch.Tensor | None] = []
         steps: list[torch.Tensor | float | None] = []
-        for p in params:
-            st = optimizer.state.get(p, {})
-            v = st.get("exp_avg_sq")
+        for st in found:
+            v = None if st is None else st.get("exp_avg_sq")
             vs.append(v if isinstance(v, torch.Tensor) else None)
-            steps.append(st.get("step"))
+            steps.append(None if st is None else st.get("step"))
         if all(v is None for v in vs):
             return None
+        if len(set(betas)) == 1:  # the usual case (a parameter outside the groups has no state: its beta2 is unused)
+            return vs, [betas[0]] * len(params), steps
+        beta2_of = {id(p): b for g, b in zip(groups, betas, strict=True) for p in g["params"]}
         return vs, [beta2_of.get(id(p), 0.999) for p in params], steps
 
     def _activation_stats(self, state: _StepState) -> None:
@@ -1076,20 +1090,31 @@ class Capture:
         self._reader.submit(staged)
 
     def _arm_step_hooks(self) -> None:
-        """Remove the last step's activation hooks; register new ones if the coming step is sampled."""
-        for handle in self._step_hooks:
-            handle.remove()
-        self._step_hooks = []
+        """Hook the activation modules (and the model's output) if the coming step is sampled, else unhook them.
+
+        Hooks already on the same modules stay (with ``stats_every=1`` every step is sampled: removing and
+        registering ~30 hooks per step was a measurable part of a step's hook time)."""
         due = self._stats_due(self._step)
         if self._manual() and self._rhythm.late:  # the next step's forward runs before this step ends
             due = due or self._stats_due(self._step + 1)
-        if not self._live() or not self._roots or not due:
+        due = due and self._live() and bool(self._roots)
+        wanted: list[tuple[str, torch.nn.Module]] = []
+        if due:
+            layout = self._layout or build_layout(self._roots, None)
+            wanted = layout.activation_modules(self.config.max_act_modules)
+        targets = (tuple(wanted), tuple(self._roots))  # modules compare by identity
+        if due and self._step_hook_targets is not None and targets == self._step_hook_targets:
             return
-        layout = self._layout or build_layout(self._roots, None)
-        for name, module in layout.activation_modules(self.config.max_act_modules):
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks, self._step_hook_targets = [], None
+        if not due:
+            return
+        for name, module in wanted:
             self._step_hooks.append(module.register_forward_hook(functools.partial(self._on_activation, name)))
         for root in self._roots:
             self._step_hooks.append(root.register_forward_hook(self._on_model_output))
+        self._step_hook_targets = targets
 
     def _metadata(self) -> tuple[int, dict[str, int], str]:
         if self._meta is None:

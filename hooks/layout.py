@@ -37,11 +37,16 @@ class ParamLayout:
     """The module of each group (None for ``_other``)."""
     _index: dict[tuple[torch.device, int], torch.Tensor] = field(default_factory=dict)
     _names: dict[str, list[str]] = field(default_factory=dict)
+    _bytes: int | None = None
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of all measured parameters (what a snapshot for update ratios costs)."""
-        return sum(p.numel() * p.element_size() for p in self.params)
+        """Bytes of all measured parameters (what a snapshot for update ratios costs), summed once: asked on every
+        sampled step, and the parameters of a layout keep their sizes (a snapshot buffer of another shape is
+        remade anyway)."""
+        if self._bytes is None:
+            self._bytes = sum(p.numel() * p.element_size() for p in self.params)
+        return self._bytes
 
     def index(self, device: torch.device, *, repeat: int = 1) -> torch.Tensor:
         """The owner index as an int64 tensor on ``device``, made once (pinned + non-blocking copy on CUDA).

@@ -171,13 +171,15 @@ def adam_lag(grads: Sequence[torch.Tensor | None] | None, exp_avg_sqs: Sequence[
 
 def _step_counts(steps: Sequence[torch.Tensor | float | None], out: torch.device) -> torch.Tensor:
     """Adam's per-parameter step counts as one float32 vector on ``out``, never read on the host."""
-    first = steps[0] if steps else None
-    if isinstance(first, torch.Tensor) and all(
-        isinstance(s, torch.Tensor) and s.device == first.device and s.dtype == first.dtype and s.dim() == 0
-        for s in steps
-    ):  # the usual case: one stack (Adam(W) keeps 0-d step tensors, on the CPU unless capturable / fused)
-        stacked = torch.stack(steps).to(torch.float32)  # type: ignore[arg-type]
-        return to_device(stacked, out) if stacked.device.type == "cpu" else stacked.to(out, non_blocking=True)
+    if steps and all(isinstance(s, torch.Tensor) for s in steps):
+        # the usual case: one stack (Adam(W) keeps 0-d step tensors, on the CPU unless capturable / fused); torch
+        # checks the devices and shapes (a mix raises, or stacks into more than one value per parameter)
+        try:
+            stacked = torch.stack(steps).to(torch.float32)  # type: ignore[arg-type]
+        except RuntimeError:
+            stacked = None
+        if stacked is not None and stacked.dim() == 1:
+            return to_device(stacked, out) if stacked.device.type == "cpu" else stacked.to(out, non_blocking=True)
     counts = [s.detach().reshape(()).to(torch.float32) if isinstance(s, torch.Tensor)
               else torch.tensor(0.0 if s is None else float(s)) for s in steps]
     if all(c.device.type == "cpu" for c in counts):  # CPU step tensors or numbers, stacked, never read
@@ -250,12 +252,13 @@ def activation_stats(x: torch.Tensor) -> ActStat:
     """
     x = x.detach()
     low, high = torch.aminmax(x)
-    if x.dtype == torch.float32 and x.is_contiguous() and x.device.type != "mps" and x.numel() < 1 << 31:
+    numel = x.numel()
+    if x.dtype is torch.float32 and not x.is_mps and numel < 1 << 31 and x.is_contiguous():
         flat = x.view(-1)
         sum_sq = torch.dot(flat, flat)
     else:
         sum_sq = torch.linalg.vector_norm(x, 2, dtype=torch.float32).square()
-    return ActStat(low, high, sum_sq, x.numel())
+    return ActStat(low, high, sum_sq, numel)
 
 
 def activation_summary(calls: Sequence[Sequence[ActStat]]) -> tuple[torch.Tensor, torch.Tensor]:

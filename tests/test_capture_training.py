@@ -223,6 +223,32 @@ def test_sampled_statistics_and_activation_hooks_exist_only_on_sampled_steps():
             assert record.get("logit_z") == pytest.approx(logit_z[record.step], rel=1e-5)
 
 
+def test_activation_hooks_stay_while_every_step_is_sampled():
+    """With ``stats_every=1`` the activation and output hooks are registered once, not again on every step; the
+    output hook (``logit_z``) is there even when no module gets activation statistics."""
+    for max_act, expected in ((4, 5), (0, 1)):
+        model = make_gpt(return_dict=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sink = ListSink()
+        capture = Capture(WatchConfig(run_id="every", stats_every=1, max_act_modules=max_act), sink).attach(model, opt)
+        seen: list[list[object]] = []  # the hook objects themselves (kept alive: no id reuse)
+        try:
+            for step in range(4):
+                seen.append([h for m in model.modules() for h in m._forward_hooks.values()])
+                data = tokens(step)
+                F.cross_entropy(logits_of(model(data[:, :-1])).reshape(-1, VOCAB), data[:, 1:].reshape(-1)).backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            capture.close()
+        assert capture.errors == 0
+        assert [len(s) for s in seen] == [expected] * 4
+        assert all(a is b for later in seen[1:] for a, b in zip(seen[0], later, strict=True))  # registered once
+        assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+        assert all("logit_z" in r.signals for r in sink.records) and len(sink.records) == 4
+        assert all(len(per_module(r, "act_rms")) == max_act for r in sink.records)
+
+
 def _clip_then_edit(model: nn.Module) -> None:
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
     for p in list(model.parameters())[::3]:  # the loop changes some clipped gradients in place before the step
