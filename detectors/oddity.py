@@ -61,7 +61,8 @@ def precursor_oddity(history: History, t0: int, *, reference: int = 64, lead: in
     from sklearn.ensemble import IsolationForest
 
     forest = IsolationForest(n_estimators=100, random_state=0).fit(ref)
-    floor = float(np.quantile(forest.score_samples(ref), quantile))
-    odd = [int(s) for s, score in zip(steps[-lead:], forest.score_samples(recent), strict=True)
+    scores = forest.score_samples(np.concatenate([ref, recent]))  # one pass over the 100 trees (per-row scores)
+    floor = float(np.quantile(scores[:len(ref)], quantile))
+    odd = [int(s) for s, score in zip(steps[-lead:], scores[len(ref):], strict=True)
            if math.isfinite(score) and score < floor]
     return Oddity(tuple(odd), int(varying.sum())) if len(odd) >= min_odd else None
