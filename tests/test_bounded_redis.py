@@ -148,6 +148,27 @@ def test_snapshot_cadence_by_records(redis_client: Any) -> None:
     assert saved_state(redis_client)["steps"]["0"] == list(range(24))
 
 
+
+@pytest.mark.parametrize("max_share", [1.0, 1e-6])
+def test_a_long_commit_puts_the_next_timed_one_off(redis_client: Any, max_share: float) -> None:
+    """``max_share``: after a commit that took c seconds, the next timed commit waits c / max_share (here: any
+    commit takes far more than 0.1 us, so 1e-6 puts the next one off by > 0.1 s ... up to max_every_s); 1 is off.
+    Entries processed since stay pending (acked by a later commit, re-processed from the snapshot after a crash)."""
+    for step in range(40):
+        xadd(redis_client, record(step))
+    policy = SnapshotPolicy(every_s=1e-9, every_records=10**9, max_share=max_share, max_every_s=3600)
+    result = Drainer(redis_client, RUN, sinks=[], batch=8, diagnoser=Recorder, snapshot=policy).run()
+    assert result.processed == 40
+    if max_share == 1.0:  # a commit after every batch (its interval has always passed)
+        assert result.committed == 40 and pending(redis_client, 0) == 0
+    else:  # only the first batch's commit: the rest waits for a commit the share allows
+        assert result.committed == 8 and pending(redis_client, 0) == 32
+        assert saved_state(redis_client)["steps"]["0"] == list(range(8))
+    redis_client.hset(keys.meta(RUN), "ended:0", "1")
+    result = Drainer(redis_client, RUN, sinks=[], diagnoser=Recorder, snapshot=policy).run()
+    assert result.status == "drained" and pending(redis_client, 0) == 0  # the end of the run always commits
+    assert saved_state(redis_client)["steps"]["0"] == list(range(40))
+
 def test_snapshot_cadence_by_time_and_at_finish(redis_client: Any) -> None:
     for step in range(6):
         xadd(redis_client, record(step))
@@ -337,3 +358,9 @@ def test_worker_settings_carry_the_snapshot_policy() -> None:
         WorkerSettings.from_env({"STABILITY_SNAPSHOT_N": "0"})
     with pytest.raises(ConfigError, match="every_records"):
         SnapshotPolicy(every_records=0)
+    assert WorkerSettings.from_env({}).snapshot_share == 0.1
+    assert WorkerSettings.from_env({"STABILITY_SNAPSHOT_SHARE": "1"}).snapshot_share == 1.0
+    with pytest.raises(ConfigError, match="STABILITY_SNAPSHOT_SHARE"):
+        WorkerSettings.from_env({"STABILITY_SNAPSHOT_SHARE": "0"})
+    with pytest.raises(ConfigError, match="max_share"):
+        SnapshotPolicy(max_share=1.5)

@@ -30,6 +30,9 @@ variable                    default                     meaning
 ``STABILITY_SWEEPER``       ``1``                       0: this worker never takes the sweep lease
 ==========================  ==========================  ===============================================
 
+``STABILITY_SNAPSHOT_SHARE`` (default ``0.1``): timed snapshots take at most about this share of a drain's time; after
+a commit that took c seconds the next timed one waits c / share (at most 120 s; ``SnapshotPolicy.max_share``, 1: off).
+
 ``STABILITY_SNAPSHOT_IDLE_S`` (default: ``STABILITY_SNAPSHOT_S``): a drain that has caught up commits once this long
 has passed since the last commit (``SnapshotPolicy.idle_s``; shorter: less to re-process when the run's next drain
 runs in another process).
@@ -87,6 +90,8 @@ class WorkerSettings:
     """Seconds between commits of a run (detector snapshot, acks, stream trim); see ``drain.SnapshotPolicy``."""
     snapshot_n: int = 5_000
     """Entries processed after which a run is committed anyway."""
+    snapshot_share: float = 0.1
+    """Timed commits take at most about this share of a drain's time (``SnapshotPolicy.max_share``; 1: off)."""
     snapshot_idle_s: float | None = None
     """A drain that caught up commits once this long has passed since the last commit (``SnapshotPolicy.idle_s``;
     None: ``snapshot_s``)."""
@@ -110,6 +115,8 @@ class WorkerSettings:
             raise ConfigError(f"STABILITY_SNAPSHOT_S must be >= 0, got {self.snapshot_s}")
         if self.snapshot_n < 1:
             raise ConfigError(f"STABILITY_SNAPSHOT_N must be >= 1, got {self.snapshot_n}")
+        if not 0 < self.snapshot_share <= 1:
+            raise ConfigError(f"STABILITY_SNAPSHOT_SHARE must be in (0, 1], got {self.snapshot_share}")
         if self.snapshot_idle_s is not None and self.snapshot_idle_s < 0:
             raise ConfigError(f"STABILITY_SNAPSHOT_IDLE_S must be >= 0, got {self.snapshot_idle_s}")
         if self.shard_size < 0:
@@ -164,6 +171,7 @@ class WorkerSettings:
             drain_s=get("STABILITY_DRAIN_S", float, 20.0),
             snapshot_s=get("STABILITY_SNAPSHOT_S", float, 5.0),
             snapshot_n=int(get("STABILITY_SNAPSHOT_N", int, 5_000)),
+            snapshot_share=get("STABILITY_SNAPSHOT_SHARE", float, 0.1),
             snapshot_idle_s=get("STABILITY_SNAPSHOT_IDLE_S", float, -1.0) if env.get("STABILITY_SNAPSHOT_IDLE_S")
             else None,
             shard_size=int(get("STABILITY_SHARD_SIZE", int, 0)),
