@@ -7,6 +7,7 @@ every step. Non-finite values become ``None`` (gaps in the plots); non-finite lo
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import re
@@ -46,39 +47,70 @@ def latest_per_step(records: Sequence[StepRecord]) -> list[StepRecord]:
 
 def series(records: Sequence[StepRecord], name: str) -> tuple[list[int], list[float]]:
     """Steps and values of signal ``name`` where present (NaN/Inf kept)."""
-    steps, values = [], []
-    for r in records:
-        value = r.signals.get(name)
-        if value is not None:
-            steps.append(r.step)
-            values.append(float(value))
-    return steps, values
+    pairs = [(r.step, v) for r in records if (v := r.signals.get(name)) is not None]
+    return [s for s, _ in pairs], [float(v) for _, v in pairs]
 
 
-def _thin(steps: list[int], values: list[float], limit: int = MAX_POINTS) -> tuple[list[int], list[float | None]]:
-    """At most ``limit`` points: min and max of each bucket, in step order (spikes survive)."""
+class RankIndex:
+    """The records of each rank by step (as :func:`by_rank` sorts them), grouped in one pass, with the records of a
+    step range found by bisection: the report reads a 1M-record run's rank once, not once per chart."""
+
+    def __init__(self, records: Sequence[StepRecord]) -> None:
+        groups: dict[int, list[StepRecord]] = {}
+        for record in records:
+            groups.setdefault(record.rank, []).append(record)
+        self._ranks = {rank: sorted(group, key=lambda r: r.step) for rank, group in groups.items()}
+        self._steps: dict[int, list[int]] = {}
+
+    def of(self, rank: int) -> list[StepRecord]:
+        """The records of ``rank``, by step."""
+        return self._ranks.get(rank, [])
+
+    def between(self, rank: int, lo: int, hi: int) -> list[StepRecord]:
+        """The records of ``rank`` with ``lo <= step <= hi``, by step."""
+        recs = self.of(rank)
+        if rank not in self._steps:
+            self._steps[rank] = [r.step for r in recs]
+        steps = self._steps[rank]
+        return recs[bisect.bisect_left(steps, lo):bisect.bisect_right(steps, hi)]
+
+
+def _thin(steps: Sequence[int], values: Sequence[float] | np.ndarray, limit: int = MAX_POINTS
+          ) -> tuple[list[int], list[float | None]]:
+    """At most ``limit`` points: min and max of each bucket, in step order (spikes survive).
+
+    Vectorised over the buckets (a 1M-step series in milliseconds): the first finite minimum and maximum of each
+    bucket, as ``min`` / ``max`` over its finite points would pick them; a bucket with none gives its first step and
+    a gap."""
     if len(steps) <= limit:
-        return steps, [_finite(v) for v in values]
+        return list(steps), [_finite(v) for v in (values.tolist() if isinstance(values, np.ndarray) else values)]
     buckets = max(1, limit // 2)
     size = math.ceil(len(steps) / buckets)
+    count = math.ceil(len(steps) / size)
+    pad = count * size - len(steps)
+    s = np.asarray(steps, dtype=np.int64)
+    v = np.asarray(values, dtype=np.float64)
+    finite = np.isfinite(v)
+    low = np.concatenate([np.where(finite, v, np.inf), np.full(pad, np.inf)]).reshape(count, size).argmin(axis=1)
+    high = np.concatenate([np.where(finite, v, -np.inf), np.full(pad, -np.inf)]).reshape(count, size).argmax(axis=1)
+    has = np.concatenate([finite, np.zeros(pad, dtype=bool)]).reshape(count, size).any(axis=1)
+    starts = np.arange(count) * size
     out_s: list[int] = []
     out_v: list[float | None] = []
-    for start in range(0, len(steps), size):
-        chunk = [(s, v) for s, v in zip(steps[start:start + size], values[start:start + size], strict=True)
-                 if math.isfinite(v)]
-        if not chunk:
-            out_s.append(steps[start])
+    for start, lo, hi, ok in zip(starts.tolist(), (starts + low).tolist(), (starts + high).tolist(), has.tolist(),
+                                 strict=True):
+        if not ok:
+            out_s.append(int(s[start]))
             out_v.append(None)
             continue
-        low, high = min(chunk, key=lambda p: p[1]), max(chunk, key=lambda p: p[1])
-        for s, v in sorted({low, high}):
-            out_s.append(s)
-            out_v.append(v)
+        for step, value in sorted({(int(s[lo]), float(v[lo])), (int(s[hi]), float(v[hi]))}):
+            out_s.append(step)
+            out_v.append(value)
     return out_s, out_v
 
 
-def smoothed(values: list[float], window: int) -> list[float | None]:
-    """Centred moving average over finite values (None where a window holds none)."""
+def _moving_mean(values: Sequence[float], window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Centred moving sums / counts of the finite values and the counts."""
     arr = np.asarray(values, dtype=float)
     ok = np.isfinite(arr)
     filled = np.where(ok, arr, 0.0)
@@ -86,23 +118,37 @@ def smoothed(values: list[float], window: int) -> list[float | None]:
     sums = np.convolve(filled, kernel, mode="same")
     counts = np.convolve(ok.astype(float), kernel, mode="same")
     with np.errstate(invalid="ignore", divide="ignore"):
-        out = sums / counts
+        out: np.ndarray = sums / counts
+    return out, counts
+
+
+def smoothed(values: list[float], window: int) -> list[float | None]:
+    """Centred moving average over finite values (None where a window holds none)."""
+    out, counts = _moving_mean(values, window)
     return [float(v) if c > 0 else None for v, c in zip(out, counts, strict=True)]
 
 
-def overview(records: Sequence[StepRecord], rank: int) -> dict[str, Any]:
+def _smoothed(values: Sequence[float], window: int) -> np.ndarray:
+    """:func:`smoothed` as an array, NaN for None."""
+    out, counts = _moving_mean(values, window)
+    filled: np.ndarray = np.where(counts > 0, out, np.nan)
+    return filled
+
+
+def overview(records: Sequence[StepRecord], rank: int, *, index: RankIndex | None = None) -> dict[str, Any]:
     """The run's aligned time series of one rank: loss (raw + smoothed), LR, grad norm, loss scale + skipped steps,
-    step time (from record wall times). Absent signals are left out."""
-    recs = by_rank(records, rank)
+    step time (from record wall times). Absent signals are left out. ``index``: ``records`` grouped by rank (the
+    report builds it once)."""
+    recs = index.of(rank) if index is not None else by_rank(records, rank)
     out: dict[str, Any] = {"rank": rank, "series": {}}
     steps, loss = series(recs, "loss")
     if steps:
         window = max(5, len(steps) // 100) | 1
         out["series"]["loss"] = _thin(steps, loss)
-        smooth = [v if v is not None else math.nan for v in smoothed(loss, window)]
-        out["series"]["loss_smoothed"] = _thin(steps, smooth)
+        out["series"]["loss_smoothed"] = _thin(steps, _smoothed(loss, window))
         out["smooth_window"] = window
-        out["nonfinite_loss"] = [s for s, v in zip(steps, loss, strict=True) if not math.isfinite(v)][:500]
+        bad = np.flatnonzero(~np.isfinite(np.asarray(loss, dtype=np.float64)))[:500]
+        out["nonfinite_loss"] = [steps[i] for i in bad.tolist()]
     for name in ("lr", "grad_norm", "loss_scale"):
         s, v = series(recs, name)
         if s:
@@ -133,13 +179,18 @@ def evidence_signals(event: Mapping[str, Any], finding_evidence: Iterable[str], 
     return [n for n in dict.fromkeys(names) if n in available][:8]
 
 
+def event_span(event: Mapping[str, Any], before: int = 40, after: int = 20) -> tuple[int, int]:
+    """The steps an incident's charts cover: ``before`` steps before the onset to ``after`` after its end."""
+    return (int(event["onset"]) - before,
+            int(event["end"] if event.get("end") is not None else event["step"]) + after)
+
+
 def incident_window(records: Sequence[StepRecord], event: Mapping[str, Any], names: Sequence[str],
                     before: int = 40, after: int = 20) -> dict[str, Any]:
     """Every step of ``names`` on the incident's rank from ``before`` steps before the onset to ``after`` steps
     after its end."""
     recs = by_rank(records, int(event["rank"]))
-    lo = int(event["onset"]) - before
-    hi = int(event["end"] if event.get("end") is not None else event["step"]) + after
+    lo, hi = event_span(event, before, after)
     inside = [r for r in recs if lo <= r.step <= hi]
     out: dict[str, Any] = {"lo": lo, "hi": hi, "series": {}}
     for name in names:
@@ -159,7 +210,7 @@ def heatmap(records: Sequence[StepRecord], event: Mapping[str, Any], prefix: str
     """
     recs = by_rank(records, int(event["rank"]))
     onset = int(event["onset"])
-    lo, hi = onset - before, int(event["end"] if event.get("end") is not None else event["step"]) + after
+    lo, hi = event_span(event, before, after)
     inside = [r for r in recs if lo <= r.step <= hi]
     layers = sorted({n for r in inside for n in r.signals if n.startswith(prefix + "/")})
     steps = sorted({r.step for r in inside if any(n.startswith(prefix + "/") for n in r.signals)})
@@ -217,14 +268,18 @@ PERF_RANKS = 8
 """The step-time and memory timelines show at most this many ranks (those with performance incidents first)."""
 
 
-def performance(records: Sequence[StepRecord], ranks: Sequence[int]) -> dict[str, Any] | None:
+def performance(records: Sequence[StepRecord], ranks: Sequence[int], *, index: RankIndex | None = None,
+                available: set[str] | None = None) -> dict[str, Any] | None:
     """The step-time and memory timelines of ``ranks`` (``{"ranks": [...], "series": {rank: {name: [steps,
     values]}}}``, thinned like the overview); None when no record carries a timing or memory signal (a run without
-    the timing hooks: the report stays as it was)."""
-    names = (*TIMING_SIGNALS, *MEMORY_SIGNALS)
+    the timing hooks: the report stays as it was). ``index``: ``records`` by rank; ``available``: every signal
+    name the records carry (names outside it are not looked for)."""
+    names = tuple(n for n in (*TIMING_SIGNALS, *MEMORY_SIGNALS) if available is None or n in available)
+    if not names:
+        return None
     out: dict[str, Any] = {"ranks": [], "series": {}}
     for rank in ranks:
-        recs = by_rank(records, rank)
+        recs = index.of(rank) if index is not None else by_rank(records, rank)
         per: dict[str, Any] = {}
         for name in names:
             s, v = series(recs, name)
