@@ -60,6 +60,21 @@ _SANITIZE = re.compile(r"[^a-z0-9]+")
 
 def signal_name(key: str) -> str:
     """The record signal name of a log field (see the module docstring); never contains ``/``."""
+    name = _NAMES.get(key)
+    if name is None:
+        name = _signal_name(key)
+        if len(_NAMES) < _NAMES_MAX:
+            _NAMES[key] = name
+    return name
+
+
+_NAMES: dict[str, str] = {}
+"""Field text as printed -> signal name: a log prints the same few fields on every line (a 1M-line log names each
+once, not once a line)."""
+_NAMES_MAX = 10_000
+
+
+def _signal_name(key: str) -> str:
     key = key.strip().lower()
     alias = _ALIASES.get(key)
     if alias is not None:
@@ -68,6 +83,10 @@ def signal_name(key: str) -> str:
 
 
 def _number(text: str) -> float | None:
+    try:  # the common case: a plain number (float ignores the surrounding blanks the slow path strips)
+        return float(text)
+    except ValueError:
+        pass
     text = text.strip().rstrip("|,").strip()
     if text.endswith("ms") and text[:-2].replace(".", "", 1).isdigit():
         text = text[:-2]
