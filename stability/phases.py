@@ -273,8 +273,8 @@ class _CumsumL2:
 
     def __init__(self, signal: np.ndarray) -> None:
         values = np.asarray(signal, dtype=np.float64).reshape(-1)
-        self._sum = np.r_[0.0, np.cumsum(values)].tolist()
-        self._sq = np.r_[0.0, np.cumsum(values * values)].tolist()
+        self._sum: list[float] = np.r_[0.0, np.cumsum(values)].tolist()
+        self._sq: list[float] = np.r_[0.0, np.cumsum(values * values)].tolist()
 
     def error(self, start: int, end: int) -> float:
         total = self._sum[end] - self._sum[start]

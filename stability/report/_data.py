@@ -97,7 +97,8 @@ def _thin(steps: Sequence[int], values: Sequence[float] | np.ndarray, limit: int
     starts = np.arange(count) * size
     out_s: list[int] = []
     out_v: list[float | None] = []
-    for start, lo, hi, ok in zip(starts.tolist(), (starts + low).tolist(), (starts + high).tolist(), has.tolist(),
+    nonempty: list[bool] = [bool(x) for x in has]
+    for start, lo, hi, ok in zip(starts.tolist(), (starts + low).tolist(), (starts + high).tolist(), nonempty,
                                  strict=True):
         if not ok:
             out_s.append(int(s[start]))

@@ -263,11 +263,12 @@ class TextLogParser:
         if match:
             signals: dict[str, float] = {}
             body = match.group(3)
-            fields = self._layout[0].fullmatch(body) if self._layout is not None else None
-            if fields is None:  # a new line layout (or the first): its pattern, then the fields by it
-                self._layout = _layout(body)
-                fields = self._layout[0].fullmatch(body)
-            for name, value in zip(self._layout[1], fields.groups() if fields else (), strict=True):
+            layout = self._layout
+            fields = layout[0].fullmatch(body) if layout is not None else None
+            if layout is None or fields is None:  # a new line layout (or the first): its pattern, then its fields
+                layout = self._layout = _layout(body)
+                fields = layout[0].fullmatch(body)
+            for name, value in zip(layout[1], fields.groups() if fields else (), strict=True):
                 number = _number(value)
                 if number is not None:
                     signals[name] = number
