@@ -93,11 +93,11 @@ def _thin(steps: Sequence[int], values: Sequence[float] | np.ndarray, limit: int
     finite = np.isfinite(v)
     low = np.concatenate([np.where(finite, v, np.inf), np.full(pad, np.inf)]).reshape(count, size).argmin(axis=1)
     high = np.concatenate([np.where(finite, v, -np.inf), np.full(pad, -np.inf)]).reshape(count, size).argmax(axis=1)
-    has = np.concatenate([finite, np.zeros(pad, dtype=bool)]).reshape(count, size).any(axis=1)
+    has: np.ndarray = np.concatenate([finite, np.zeros(pad, dtype=bool)]).reshape(count, size).any(axis=1)
     starts = np.arange(count) * size
     out_s: list[int] = []
     out_v: list[float | None] = []
-    nonempty: list[bool] = [bool(x) for x in has]
+    nonempty: list[bool] = has.tolist()
     for start, lo, hi, ok in zip(starts.tolist(), (starts + low).tolist(), (starts + high).tolist(), nonempty,
                                  strict=True):
         if not ok:
