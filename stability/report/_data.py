@@ -93,7 +93,7 @@ def _thin(steps: Sequence[int], values: Sequence[float] | np.ndarray, limit: int
     finite = np.isfinite(v)
     low = np.concatenate([np.where(finite, v, np.inf), np.full(pad, np.inf)]).reshape(count, size).argmin(axis=1)
     high = np.concatenate([np.where(finite, v, -np.inf), np.full(pad, -np.inf)]).reshape(count, size).argmax(axis=1)
-    has: np.ndarray = np.concatenate([finite, np.zeros(pad, dtype=bool)]).reshape(count, size).any(axis=1)
+    has = np.asarray(np.concatenate([finite, np.zeros(pad, dtype=bool)]).reshape(count, size).any(axis=1))
     starts = np.arange(count) * size
     out_s: list[int] = []
     out_v: list[float | None] = []
