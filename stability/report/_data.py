@@ -51,6 +51,19 @@ def series(records: Sequence[StepRecord], name: str) -> tuple[list[int], list[fl
     return [s for s, _ in pairs], [float(v) for _, v in pairs]
 
 
+def _series_many(records: Sequence[StepRecord], names: Sequence[str]) -> dict[str, tuple[list[int], list[float]]]:
+    """:func:`series` of each of ``names``, the steps read once (a signal every record carries needs no filter)."""
+    steps = [r.step for r in records]
+    out = {}
+    for name in names:
+        values = [r.signals.get(name) for r in records]
+        if None in values:
+            out[name] = series(records, name)
+        else:
+            out[name] = (list(steps), [float(v) for v in values])  # type: ignore[arg-type]  # no None left
+    return out
+
+
 class RankIndex:
     """The records of each rank by step (as :func:`by_rank` sorts them), grouped in one pass, with the records of a
     step range found by bisection: the report reads a 1M-record run's rank once, not once per chart."""
@@ -142,7 +155,8 @@ def overview(records: Sequence[StepRecord], rank: int, *, index: RankIndex | Non
     report builds it once)."""
     recs = index.of(rank) if index is not None else by_rank(records, rank)
     out: dict[str, Any] = {"rank": rank, "series": {}}
-    steps, loss = series(recs, "loss")
+    found = _series_many(recs, ("loss", "lr", "grad_norm", "loss_scale", "skipped"))
+    steps, loss = found["loss"]
     if steps:
         window = max(5, len(steps) // 100) | 1
         out["series"]["loss"] = _thin(steps, loss)
@@ -151,10 +165,10 @@ def overview(records: Sequence[StepRecord], rank: int, *, index: RankIndex | Non
         bad = np.flatnonzero(~np.isfinite(np.asarray(loss, dtype=np.float64)))[:500]
         out["nonfinite_loss"] = [steps[i] for i in bad.tolist()]
     for name in ("lr", "grad_norm", "loss_scale"):
-        s, v = series(recs, name)
+        s, v = found[name]
         if s:
             out["series"][name] = _thin(s, v)
-    s, v = series(recs, "skipped")
+    s, v = found["skipped"]
     skipped = [step for step, value in zip(s, v, strict=True) if value >= 0.5]
     if skipped:
         out["skipped"] = skipped[:2000]
@@ -236,15 +250,17 @@ def heatmap(records: Sequence[StepRecord], event: Mapping[str, Any], prefix: str
         median = float(np.median(base))
         scale = max(1.4826 * float(np.median(np.abs(base - median))), 0.02)
         z = (grid[row] - median) / scale
-        moved = [steps[i] for i in range(len(steps)) if np.isfinite(z[i]) and abs(z[i]) >= MOVED_Z]
-        peak = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 0.0
-        rows.append((moved[0] if moved else math.inf, -peak, name, z))
+        finite = np.isfinite(z)
+        moved = np.flatnonzero(finite & (np.abs(np.where(finite, z, 0.0)) >= MOVED_Z))
+        peak = float(np.nanmax(np.abs(z))) if finite.any() else 0.0
+        rows.append((steps[int(moved[0])] if len(moved) else math.inf, -peak, name, z))
     if not rows:
         return None
     rows.sort(key=lambda t: (t[0], t[1]))
     rows = rows[:MAX_LAYERS]
     first = rows[0]
-    zvals = [[None if not np.isfinite(x) else round(float(np.clip(x, -50, 50)), 2) for x in z] for *_, z in rows]
+    zvals = [[round(x, 2) if ok else None for x, ok in zip(np.clip(z, -50, 50).tolist(), np.isfinite(z).tolist(),
+                                                            strict=True)] for *_, z in rows]
     return {
         "prefix": prefix,
         "steps": steps,
