@@ -54,13 +54,14 @@ def series(records: Sequence[StepRecord], name: str) -> tuple[list[int], list[fl
 def _series_many(records: Sequence[StepRecord], names: Sequence[str]) -> dict[str, tuple[list[int], list[float]]]:
     """:func:`series` of each of ``names``, the steps read once (a signal every record carries needs no filter)."""
     steps = [r.step for r in records]
+    signals = [r.signals for r in records]
     out = {}
     for name in names:
-        values = [r.signals.get(name) for r in records]
+        values = [s.get(name) for s in signals]
         if None in values:
             out[name] = series(records, name)
         else:
-            out[name] = (list(steps), [float(v) for v in values])  # type: ignore[arg-type]  # no None left
+            out[name] = (list(steps), list(map(float, values)))  # type: ignore[arg-type]  # no None left
     return out
 
 
@@ -227,9 +228,12 @@ def heatmap(records: Sequence[StepRecord], event: Mapping[str, Any], prefix: str
     onset = int(event["onset"])
     lo, hi = event_span(event, before, after)
     inside = [r for r in recs if lo <= r.step <= hi]
-    layers = sorted({n for r in inside for n in r.signals if n.startswith(prefix + "/")})
-    steps = sorted({r.step for r in inside if any(n.startswith(prefix + "/") for n in r.signals)})
-    if not layers or len(steps) < 2:
+    start = prefix + "/"
+    layers = sorted({n for r in inside for n in r.signals if n.startswith(start)})
+    if not layers:
+        return None
+    steps = sorted({r.step for r in inside if any(n.startswith(start) for n in r.signals)})
+    if len(steps) < 2:
         return None
     index = {s: i for i, s in enumerate(steps)}
     grid = np.full((len(layers), len(steps)), np.nan)
