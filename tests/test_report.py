@@ -157,3 +157,19 @@ def test_vectorised_thinning_and_rank_index_match_the_point_by_point_rules() -> 
     for rank in range(4):
         assert index.of(rank) == _data.by_rank(records, rank)
         assert index.between(rank, 100, 250) == [r for r in _data.by_rank(records, rank) if 100 <= r.step <= 250]
+
+
+def test_running_sum_smoothing_matches_the_convolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long runs smooth the overview's loss with running sums: the same counts, the same means to 1e-12."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    n, window = 30_001, 301
+    values = 3 + np.exp(-np.arange(n) / 3000) + rng.normal(0, 0.05, n)
+    values[rng.integers(0, n, 40)] = np.nan
+    values[:3] = np.inf
+    direct, direct_counts = _data._moving_mean(values.tolist(), window)
+    monkeypatch.setattr(_data, "DIRECT_SMOOTHING", 0)
+    running, counts = _data._moving_mean(values.tolist(), window)
+    assert np.array_equal(counts, direct_counts)
+    assert np.allclose(running, direct, rtol=1e-12, atol=0, equal_nan=True)
