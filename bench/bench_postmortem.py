@@ -9,7 +9,8 @@ subprocess measures what ``stability postmortem`` does: read (a CSV as columns, 
 run is a bare ``csv.reader`` / line-split pass over the same file; the ratios say how much slower the post-mortem
 is than reading the bytes. The 1M-step column is extrapolated linearly from the size measured (run ``--steps
 1000000`` to measure it directly). ``cpu s``: the child's CPU seconds to read and analyse (less sensitive than the
-wall clock to other jobs on a shared machine).
+wall clock to other jobs on a shared machine). ``--stages``: also the seconds of each stage of ``stability
+postmortem`` (:data:`STAGES`) on the same file, in another fresh process.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 TARGET_STEPS = 1_000_000
 
@@ -91,6 +93,7 @@ def per_detector(path: str) -> None:
     from stability.sources.columnar import read_columns
 
     table = read_columns(path, loss_averaged=False)
+    assert table is not None, "the bench CSV is read as columns"
     records = list(_rows(table, [i for i, n in enumerate(table.names) if "/" not in n], "bench"))
     suite = RunDiagnoser(DiagnoserConfig())._suite(0)
     cost: dict[str, float] = {}
@@ -106,6 +109,52 @@ def per_detector(path: str) -> None:
     for name, seconds in sorted(cost.items(), key=lambda kv: -kv[1]):
         print(f"{name:12} {seconds * 1e6 / len(records):7.1f} us")
     print(f"{'sum':12} {sum(cost.values()) * 1e6 / len(records):7.1f} us")
+
+
+STAGES = (("stability.sources.columnar", "read_columns"), ("stability.postmortem", "load_source"),
+          ("stability.fast_postmortem", "quiet_columns"), ("stability.fast_postmortem", "_rows"),
+          ("stability.fast_postmortem", "_widen"), ("stability.sources.analysis", "apply_log_context"),
+          ("stability.report._data", "perf_summary"), ("stability.postmortem", "_phases"),
+          ("stability.postmortem", "analyze"), ("stability.report._html", "_payload"),
+          ("stability.postmortem", "write_outputs"))
+"""The functions ``--stages`` times (module, name): reading, the screen, the light records, the analysis and what
+it does after the detectors (log context, performance lines, phases), the report."""
+
+
+def stages(path: str) -> None:
+    """Child process: ``stability postmortem PATH`` (:func:`stability.postmortem.run`) with the seconds spent in each
+    of :data:`STAGES` (``analyze`` includes the phases, log context and performance lines; the detectors are
+    ``analyze`` less those), the whole run and the peak RSS."""
+    import functools
+    import importlib
+
+    spent: dict[str, float] = {}
+
+    def timed(module: Any, name: str) -> None:
+        inner = getattr(module, name)
+
+        @functools.wraps(inner)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        setattr(module, name, wrapper)
+
+    t0 = time.perf_counter()
+    from stability import postmortem
+    spent["import"] = time.perf_counter() - t0
+    for module, name in STAGES:
+        timed(importlib.import_module(module), name)
+    out = Path(path).with_suffix(".out")
+    t0 = time.perf_counter()
+    postmortem.run(path, json_out=f"{out}.json", html_out=f"{out}.html", progress=False)
+    spent["total"] = time.perf_counter() - t0
+    detectors = spent.get("analyze", 0.0) - sum(spent.get(k, 0.0) for k in ("apply_log_context", "perf_summary",
+                                                                               "_phases"))
+    print("  ".join(f"{k} {v:.2f}" for k, v in [*spent.items(), ("detectors", detectors)]) +
+          f"  rss_mb {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}")
 
 
 def baseline(path: Path, fmt: str) -> float:
@@ -131,7 +180,11 @@ def main() -> None:
     parser.add_argument("--exact", action="store_true", help="the row-by-row reference path (postmortem --exact)")
     parser.add_argument("--detectors", action="store_true",
                         help="also print each detector's CPU us a record alone (csv, first size)")
+    parser.add_argument("--stages", action="store_true",
+                        help="also print the seconds of each stage of `stability postmortem` (read, screen, light "
+                             "records, detectors, phases, report) in another fresh process")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-stages", help=argparse.SUPPRESS)
     parser.add_argument("--child-detectors", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -139,6 +192,9 @@ def main() -> None:
         return
     if args.child_detectors:
         per_detector(args.child_detectors)
+        return
+    if args.child_stages:
+        stages(args.child_stages)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     print(f"{'format':9} {'signals':>7} {'steps':>8} {'parse s':>8} {'detect s':>9} {'report s':>8} {'rss MB':>7} "
@@ -161,6 +217,10 @@ def main() -> None:
                     print(f"{fmt:9} {signals:>7} {steps:>8} {data['parse_s']:>8.2f} {data['analyze_s']:>9.2f} "
                           f"{data['report_s']:>8.2f} {data['rss_mb']:>7.0f} {bare:>7.2f} {total / bare:>7.1f} "
                           f"{total * TARGET_STEPS / steps:>9.0f} {data['cpu_s']:>6.2f}", flush=True)
+                    if args.stages:
+                        split = [sys.executable, __file__, "--child-stages", str(path)]
+                        print("  stages (s): " + subprocess.run(split, env=env, check=True, capture_output=True,
+                                                                  text=True).stdout.strip(), flush=True)
                     path.unlink()
 
 

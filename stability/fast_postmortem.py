@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -142,22 +143,29 @@ def quiet_columns(table: ColumnarCsv, skipped: np.ndarray, config: DiagnoserConf
     seen = ~skipped
     hi = np.full(len(table), -np.inf)
     lo = np.full(len(table), np.inf)
-    logs: dict[int, np.ndarray] = {}
+    chunks = _chunks(table.steps)
+    quiet: list[str] = []
+    finite = 0
     for i in grads:
         values, mask = table.values[i], table.present[i]
         given = values if mask is None else values[mask]
         if not (np.isfinite(given).all() and (given > 0).all()):
             continue
+        finite += 1
         with np.errstate(divide="ignore", invalid="ignore"):
-            logs[i] = np.log(np.where(np.isnan(values), 1.0, values))
+            y = np.log(np.where(np.isnan(values), 1.0, values))
         on = seen if mask is None else seen & mask
-        hi = np.where(on, np.maximum(hi, logs[i]), hi)
-        lo = np.where(on, np.minimum(lo, logs[i]), lo)
-    if len(logs) < len(grads):  # a zero / non-finite layer: the layers rule is not proven for every subset
+        hi = np.where(on, np.maximum(hi, y), hi)
+        lo = np.where(on, np.minimum(lo, y), lo)
+        # the column's own rules now, while its logs are at hand (one column's logs in memory at a time)
+        if all(_column_quiet(*_seen_part(y, table.steps, on, a, b)) for a, b in chunks):
+            quiet.append(table.names[i])
+    if finite < len(grads):  # a zero / non-finite layer: the layers rule is not proven for every subset
         for i in grads:
-            if i in logs:
-                continue
             values, mask = table.values[i], table.present[i]
+            given = values if mask is None else values[mask]
+            if np.isfinite(given).all() and (given > 0).all():
+                continue
             on = seen & np.isfinite(values) & (values > 0) & (True if mask is None else mask)
             with np.errstate(divide="ignore", invalid="ignore"):
                 y = np.log(np.where(on, values, 1.0))
@@ -165,14 +173,15 @@ def quiet_columns(table: ColumnarCsv, skipped: np.ndarray, config: DiagnoserConf
     rows = np.isfinite(hi) & np.isfinite(lo)
     if (hi[rows] - lo[rows] >= LAYERS_LOG - _MARGIN).any():
         return set()
-    out = set()
-    for i, y in logs.items():
-        mask = table.present[i]
-        on = seen if mask is None else seen & mask
-        if all(_column_quiet(y[a:b][on[a:b]], table.steps[a:b][on[a:b]].astype(np.float64))
-               for a, b in _chunks(table.steps)):
-            out.add(table.names[i])
-    return out
+    return set(quiet)
+
+
+def _seen_part(y: np.ndarray, steps: np.ndarray, on: np.ndarray, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """The log values and steps (float) of rows ``a:b`` the detectors see (no copy of ``y`` when they see all)."""
+    part = on[a:b]
+    if part.all():
+        return y[a:b], steps[a:b].astype(np.float64)
+    return y[a:b][part], steps[a:b][part].astype(np.float64)
 
 
 class _Feed:
@@ -277,7 +286,11 @@ class ColumnHistory(History):
         self.lr.update(record.step, record.get("lr"))
 
 
-def _rows(table: ColumnarCsv, columns: list[int], run_id: str) -> Iterator[StepRecord]:
+_NO_COORDS: Mapping[str, int] = MappingProxyType({})
+"""The coordinates of every light record (a CSV has none): one read-only empty mapping, not a dict a row."""
+
+
+def _rows(table: ColumnarCsv, columns: list[int], run_id: str) -> list[StepRecord]:
     """One record per row with ``columns`` (absent cells left out)."""
     names = [table.names[i] for i in columns]
     lists: list[list[Any]] = [table.values[i].tolist() for i in columns]
@@ -289,10 +302,12 @@ def _rows(table: ColumnarCsv, columns: list[int], run_id: str) -> Iterator[StepR
     sparse = any(table.present[i] is not None for i in columns)
     steps = table.steps.tolist()
     rows: Iterator[tuple[Any, ...]] = zip(*lists, strict=True) if lists else iter([()] * len(steps))
-    for step, row in zip(steps, rows, strict=True):
-        pairs = zip(names, row, strict=True)
-        signals = {n: v for n, v in pairs if v is not None} if sparse else dict(pairs)
-        yield StepRecord(run_id=run_id, step=step, signals=signals)
+    if sparse:
+        return [StepRecord(run_id=run_id, step=step, coords=_NO_COORDS,
+                           signals={n: v for n, v in zip(names, row, strict=True) if v is not None})
+                for step, row in zip(steps, rows, strict=True)]
+    return [StepRecord(run_id=run_id, step=step, signals=dict(zip(names, row, strict=True)), coords=_NO_COORDS)
+            for step, row in zip(steps, rows, strict=True)]
 
 
 def analyze_columns(table: ColumnarCsv, run_id: str, *, config: DiagnoserConfig | None = None,
@@ -308,7 +323,7 @@ def analyze_columns(table: ColumnarCsv, run_id: str, *, config: DiagnoserConfig 
         skipped = skipped_rows(table)
         quiet = quiet_columns(table, skipped, config)
         kept = [i for i, n in enumerate(table.names) if n not in quiet]
-        records = list(_rows(table, kept, run_id))
+        records = _rows(table, kept, run_id)
     factory = None
     if quiet:
         tracked = [i for i, n in enumerate(table.names)
@@ -333,9 +348,13 @@ def _widen(records: list[StepRecord], table: ColumnarCsv, onsets: list[int], run
         for onset in onsets:
             near |= np.abs(table.steps - onset) <= REPORT_SPAN
         rows.update(np.flatnonzero(near).tolist())
-    for row in sorted(rows):
-        signals = {}
-        for name, values, mask in zip(table.names, table.values, table.present, strict=True):
-            if mask is None or mask[row]:
-                signals[name] = float(values[row])
+    order = np.asarray(sorted(rows), dtype=np.int64)
+    if not len(order):
+        return
+    # the selected rows of every column at once, then one dict a row
+    values = [v[order].tolist() for v in table.values]
+    given = [None if m is None else m[order].tolist() for m in table.present]
+    for k, row in enumerate(order.tolist()):
+        signals = {name: column[k] for name, column, mask in zip(table.names, values, given, strict=True)
+                   if mask is None or mask[k]}
         records[row] = StepRecord(run_id=run_id, step=int(table.steps[row]), signals=signals)

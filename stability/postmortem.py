@@ -556,7 +556,7 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
 
 
 def _phases(records: Sequence[StepRecord], segments: Sequence[Segment]) -> tuple[Phase, ...]:
-    """The run's phases; a failure there (ruptures missing, a degenerate series) costs the phases, not the report."""
+    """The run's phases; a failure there (a degenerate series) costs the phases, not the report."""
     try:
         return tuple(run_phases(records, segments))
     except (ImportError, ValueError, ArithmeticError) as exc:
@@ -568,7 +568,8 @@ PROGRESS_MIN_RECORDS = 5_000
 """Records above which :func:`analyze` shows a progress bar (about a second of detector time: ~170 us a record
 for a one-rank log, docs/benchmarks.md)."""
 READ_STATUS_BYTES = 20 << 20
-"""A CSV above this size shows a "reading" status on a terminal while it is read as columns (~1 s)."""
+"""A file above this size shows a "reading" status on a terminal while it is read (a CSV as columns: ~1 s; a text
+log: ~1 s per 100k lines)."""
 STATUS_MIN_RECORDS = 50_000
 """Records above which the steps around the detectors (screen, report) show a status line on a terminal."""
 
@@ -756,7 +757,9 @@ def _load(source: Path, several: Sequence[Path], *, run_id: str | None, loss_ave
     table = None if exact else _read_columns(source, loss_averaged)
     if table is not None:
         return [], LoadedLog(format="csv", records=[], segments=table.segments), table
-    log = load_source(source, run_id=run_id, loss_averaged=loss_averaged)
+    size = source.stat().st_size if source.is_file() else 0
+    with status(f"reading {source.name} ({size >> 20} MB)", size >= READ_STATUS_BYTES):
+        log = load_source(source, run_id=run_id, loss_averaged=loss_averaged)
     return log.records, log, None
 
 

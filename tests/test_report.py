@@ -121,3 +121,55 @@ def test_empty_skip_list_is_not_called_a_list() -> None:
     page = render_html(result, records)
     assert result.events and result.events[0]["causes"][0]["cause"] == "bad_batch"
     assert "Skip the listed batches" not in page and "none recorded" in page
+
+
+def _thin_reference(steps: list[int], values: list[float], limit: int) -> tuple[list[int], list[float | None]]:
+    """The thinning rule written point by point: per bucket the first finite minimum and maximum, in step order."""
+    size = math.ceil(len(steps) / max(1, limit // 2))
+    out_s: list[int] = []
+    out_v: list[float | None] = []
+    for start in range(0, len(steps), size):
+        chunk = [(s, v) for s, v in zip(steps[start:start + size], values[start:start + size], strict=True)
+                 if math.isfinite(v)]
+        if not chunk:
+            out_s.append(steps[start])
+            out_v.append(None)
+            continue
+        for s, v in sorted({min(chunk, key=lambda p: p[1]), max(chunk, key=lambda p: p[1])}):
+            out_s.append(s)
+            out_v.append(v)
+    return out_s, out_v
+
+
+def test_vectorised_thinning_and_rank_index_match_the_point_by_point_rules() -> None:
+    import random
+
+    rng = random.Random(3)
+    for n, limit in ((10_007, 400), (5_000, 4000), (333, 100), (4001, 4000)):
+        values = [rng.choice([rng.gauss(0, 1), 0.0, -0.0, math.nan, math.inf, 2.5]) for _ in range(n)]
+        values[-7:] = [math.nan] * 7  # a last bucket with no finite value
+        steps = sorted(rng.sample(range(3 * n), n))
+        want = _thin_reference(steps, values, limit) if n > limit else (steps, [
+            v if math.isfinite(v) else None for v in values])
+        assert _data._thin(steps, values, limit) == want
+    records = [StepRecord(run_id="r", step=s, rank=rng.randrange(3), signals={}) for s in rng.sample(range(500), 300)]
+    index = _data.RankIndex(records)
+    for rank in range(4):
+        assert index.of(rank) == _data.by_rank(records, rank)
+        assert index.between(rank, 100, 250) == [r for r in _data.by_rank(records, rank) if 100 <= r.step <= 250]
+
+
+def test_running_sum_smoothing_matches_the_convolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long runs smooth the overview's loss with running sums: the same counts, the same means to 1e-12."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    n, window = 30_001, 301
+    values = 3 + np.exp(-np.arange(n) / 3000) + rng.normal(0, 0.05, n)
+    values[rng.integers(0, n, 40)] = np.nan
+    values[:3] = np.inf
+    direct, direct_counts = _data._moving_mean(values.tolist(), window)
+    monkeypatch.setattr(_data, "DIRECT_SMOOTHING", 0)
+    running, counts = _data._moving_mean(values.tolist(), window)
+    assert np.array_equal(counts, direct_counts)
+    assert np.allclose(running, direct, rtol=1e-12, atol=0, equal_nan=True)

@@ -13,6 +13,7 @@ by which layer moved first; all events; the run's metadata.
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import logging
 import os
@@ -68,39 +69,45 @@ def _detailed(events: list[dict[str, Any]]) -> list[int]:
     return serious[:MAX_DETAILED]
 
 
-def _incident_data(records: Sequence[StepRecord], result: PostmortemResult, index: int,
+def _incident_data(index: _data.RankIndex, result: PostmortemResult, event: dict[str, Any], incident: Any,
                    available: set[str]) -> dict[str, Any]:
-    event = result.events[index]
-    incident = result.incidents[index]
     keys = [k for f in incident.findings for k in f.evidence]
     names = _data.evidence_signals(event, keys, available)
+    near = index.between(int(event["rank"]), *_data.event_span(event))  # the only records the charts read
     heatmaps = [hm for prefix in ("grad_norm", "update_ratio")
-                if (hm := _data.heatmap(records, event, prefix)) is not None]
-    return {"window": _data.incident_window(records, event, names), "heatmaps": heatmaps}
+                if (hm := _data.heatmap(near, event, prefix)) is not None]
+    return {"window": _data.incident_window(near, event, names), "heatmaps": heatmaps}
 
 
-def _payload(result: PostmortemResult, records: Sequence[StepRecord]) -> dict[str, Any]:
+def _signal_names(records: Sequence[StepRecord]) -> set[str]:
+    """Every signal name the records carry."""
+    return set(itertools.chain.from_iterable(r.signals for r in records))
+
+
+def _payload(result: PostmortemResult, records: Sequence[StepRecord], available: set[str]) -> dict[str, Any]:
     events = result.events
     shown_rank = min(result.ranks) if result.ranks else 0
-    available = {n for r in records for n in r.signals}
     incidents = [{"n": i + 1, "onset": e["onset"], "end": e["end"] if e["end"] is not None else e["step"],
                   "step": e["step"], "rollback": e["rollback_step"], "kind": e["kind"], "severity": e["severity"],
                   "rank": e["rank"], "color": _COLORS.get(e["severity"], "#6b7280")} for i, e in enumerate(events)]
     others = list(dict.fromkeys(e["rank"] for e in events if e["rank"] != shown_rank and e["severity"] != "info"))
     # a resumed run re-logged steps: chart what the later process logged there (the resume is marked)
     plotted = _data.latest_per_step(records) if len(result.segments) > 1 else records
+    by_rank = _data.RankIndex(records)
+    plotted_by_rank = _data.RankIndex(plotted) if plotted is not records else by_rank
     out = {
-        "overview": _data.overview(plotted, shown_rank),
-        "other_ranks": [_data.overview(plotted, rank) for rank in others[:4]],
+        "overview": _data.overview(plotted, shown_rank, index=plotted_by_rank),
+        "other_ranks": [_data.overview(plotted, rank, index=plotted_by_rank) for rank in others[:4]],
         "resumes": [{"step": seg.first_step, "after": seg.resumed_after} for seg in result.segments[1:]],
         "phases": [{"first": p.first_step, "last": p.last_step, "label": p.label, "color": _PHASE_COLORS[p.label]}
                    for p in result.phases if p.label in _PHASE_COLORS],
         "incidents": incidents,
-        "details": {str(i + 1): _incident_data(records, result, i, available) for i in _detailed(events)},
+        "details": {str(i + 1): _incident_data(by_rank, result, events[i], result.incidents[i], available)
+                    for i in _detailed(events)},
     }
     perf_events = [i for i, e in enumerate(events) if _is_perf(e)]
     involved = list(dict.fromkeys([*(events[i]["rank"] for i in perf_events), shown_rank, *result.ranks]))
-    perf = _data.performance(plotted, involved[:_data.PERF_RANKS])
+    perf = _data.performance(plotted, involved[:_data.PERF_RANKS], index=plotted_by_rank, available=available)
     if perf is not None:
         perf["incidents"] = [incidents[i] for i in perf_events]
         out["perf"] = perf
@@ -270,7 +277,8 @@ render();
 """
 
 
-def _meta_rows(result: PostmortemResult, records: Sequence[StepRecord]) -> list[tuple[str, str]]:
+def _meta_rows(result: PostmortemResult, records: Sequence[StepRecord], available: set[str]
+               ) -> list[tuple[str, str]]:
     hosts = sorted({r.host for r in records if r.host})
     steps = [r.step for r in records]
     rows = [("run id", result.run_id), ("steps analysed", f"{result.steps} ({min(steps)} to {max(steps)})" if steps
@@ -278,7 +286,7 @@ def _meta_rows(result: PostmortemResult, records: Sequence[StepRecord]) -> list[
             ("ranks", f"{len(result.ranks)} ({', '.join(map(str, result.ranks[:32]))}"
                       f"{' …' if len(result.ranks) > 32 else ''})"),
             ("hosts", ", ".join(hosts[:32]) + (" …" if len(hosts) > 32 else "") or "-"),
-            ("signals", str(len({n for r in records for n in r.signals})))]
+            ("signals", str(len(available)))]
     meta: Mapping[str, str] = result.meta
     labels = {"run_dir": "run directory", "source": "source", "started": "started", "command": "command",
               "world_size": "world size", "python": "python", "torch": "torch", "stability": "stability",
@@ -451,14 +459,15 @@ def render_html(result: PostmortemResult, records: Sequence[StepRecord], *, base
     files are relative to ``base`` (the directory the page is written to), absolute without it."""
     esc = html.escape
     events = result.events
-    payload = _payload(result, records)
+    available = _signal_names(records)
+    payload = _payload(result, records, available)
     js = plotly_js()
     charts = (f"<script>{js}</script>" if js is not None else
               '<p class="muted">(plotly is not installed: charts are omitted; <code>pip install plotly</code>)</p>')
     sections = "".join(_incident_section(int(n), events[int(n) - 1], d) for n, d in payload["details"].items())
     hidden = len([e for e in events if e["severity"] != "info"]) - len(payload["details"])
     more = f"<p class=\"muted\">{hidden} more warning/error incidents are in the table below.</p>" if hidden > 0 else ""
-    meta = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in _meta_rows(result, records))
+    meta = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in _meta_rows(result, records, available))
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width,initial-scale=1">'

@@ -44,11 +44,17 @@ _SYSLOG = re.compile(r"^(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)\s+(\d{
 _GLOG = re.compile(r"(?:^|[\[\s])[IWEF](\d{1,2})(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+)\s")
 """glog / c10 prefix of PyTorch's C++ log lines (``[E1204 14:40:32.295000 12040 file.cpp:632]``; recent versions
 ``[E321 02:07:08.408271257 ProcessGroupNCCL.cpp:607]``: month not zero-padded, no thread id): no year."""
+_CLOCK = re.compile(r"\d\d:\d\d:\d\d")
+"""The clock time that an ISO (within 64 characters) or glog (within 80) date prefix holds."""
 _MONTHS = {m: i for i, m in enumerate(calendar.month_abbr) if m}
 
 
 def parse_time(line: str, year: int | None = None) -> tuple[float | None, str]:
     """``(unix time or None, host or "")`` of a line's date prefix (UTC assumed; syslog lines name the host)."""
+    if _CLOCK.search(line, 0, 80) is None:  # no ISO or glog time in reach (most log lines): one search, not two
+        match = _SYSLOG.match(line)
+        if match is None:
+            return None, ""
     match = _ISO.search(line, 0, 64)
     if match:
         y, mo, d, h, mi, s = (int(g) for g in match.groups()[:6])

@@ -60,6 +60,21 @@ _SANITIZE = re.compile(r"[^a-z0-9]+")
 
 def signal_name(key: str) -> str:
     """The record signal name of a log field (see the module docstring); never contains ``/``."""
+    name = _NAMES.get(key)
+    if name is None:
+        name = _signal_name(key)
+        if len(_NAMES) < _NAMES_MAX:
+            _NAMES[key] = name
+    return name
+
+
+_NAMES: dict[str, str] = {}
+"""Field text as printed -> signal name: a log prints the same few fields on every line (a 1M-line log names each
+once, not once a line)."""
+_NAMES_MAX = 10_000
+
+
+def _signal_name(key: str) -> str:
     key = key.strip().lower()
     alias = _ALIASES.get(key)
     if alias is not None:
@@ -68,6 +83,10 @@ def signal_name(key: str) -> str:
 
 
 def _number(text: str) -> float | None:
+    try:  # the common case: a plain number (float ignores the surrounding blanks the slow path strips)
+        return float(text)
+    except ValueError:
+        pass
     text = text.strip().rstrip("|,").strip()
     if text.endswith("ms") and text[:-2].replace(".", "", 1).isdigit():
         text = text[:-2]
@@ -150,6 +169,8 @@ class TextLogParser:
     _ds_skipped: dict[int, int] = field(default_factory=dict)
     _last_step: int | None = None
     _ordinal_noted: bool = False
+    _layout: tuple[re.Pattern[str], tuple[str, ...]] | None = None
+    """The pattern and field names of the last Megatron line layout (:func:`_layout`)."""
 
     def read(self, path: Path) -> None:
         """Parse a whole file, streaming."""
@@ -241,13 +262,16 @@ class TextLogParser:
         match = _ITERATION.search(line)
         if match:
             signals: dict[str, float] = {}
-            for part in match.group(3).split("|"):
-                key, sep, value = part.partition(":")
-                if not sep:
-                    continue
+            body = match.group(3)
+            layout = self._layout
+            fields = layout[0].fullmatch(body) if layout is not None else None
+            if layout is None or fields is None:  # a new line layout (or the first): its pattern, then its fields
+                layout = self._layout = _layout(body)
+                fields = layout[0].fullmatch(body)
+            for name, value in zip(layout[1], fields.groups() if fields else (), strict=True):
                 number = _number(value)
                 if number is not None:
-                    signals[signal_name(key)] = number
+                    signals[name] = number
             if not signals:
                 return False
             self._seen("megatron")
@@ -452,6 +476,23 @@ _CONTEXT_ARGS = frozenset({
     "use_checkpoint_opt_param_scheduler", "finetune", "no_load_optim", "no_load_rng",
 })
 """Megatron arguments kept as run context (parallel sizes, LR schedule, precision, resume options)."""
+
+
+def _layout(body: str) -> tuple[re.Pattern[str], tuple[str, ...]]:
+    """A pattern matching Megatron iteration lines whose ``|``-separated fields have the keys of ``body`` in its order
+    (one value group a ``key: value`` field; a field without ``:`` any text without one), and the fields' signal
+    names: every line of a log prints the same fields, so a line is read by one match instead of a split per
+    field. A line the pattern matches splits into the same fields (the key is the text before the field's first
+    ``:``)."""
+    parts, names = [], []
+    for part in body.split("|"):
+        key, sep, _ = part.partition(":")
+        if sep:
+            parts.append(re.escape(key) + ":([^|]*)")
+            names.append(signal_name(key))
+        else:
+            parts.append("[^|:]*")
+    return re.compile(r"\|".join(parts), re.DOTALL), tuple(names)
 
 
 def _rank_of(match: re.Match[str] | None) -> int | None:
