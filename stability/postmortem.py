@@ -556,7 +556,7 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
 
 
 def _phases(records: Sequence[StepRecord], segments: Sequence[Segment]) -> tuple[Phase, ...]:
-    """The run's phases; a failure there (a degenerate series) costs the phases, not the report."""
+    """The run's phases; a failure there (ruptures missing, a degenerate series) costs the phases, not the report."""
     try:
         return tuple(run_phases(records, segments))
     except (ImportError, ValueError, ArithmeticError) as exc:

@@ -123,25 +123,3 @@ def test_real_excerpts_spike_and_reverting_inf() -> None:
     assert labels(phases) == ["stable", "divergence"] and phases[1].first_step == 29050  # 2.77 -> 7.34 (chronicles)
     ipex = load_source(REAL / "snippets" / "ipex_llm_issue1486_bigdl_inf_loss.csv")
     assert "divergence" not in labels(run_phases(ipex.records, ipex.segments))  # one Infinity, then 1.248
-
-
-def test_pelt_gives_the_breakpoints_of_ruptures() -> None:
-    """The in-house PELT (no ruptures import on the post-mortem path) returns what ruptures' Pelt with the
-    least-squares cost returns, on level shifts, trends, noise, ties and short signals."""
-    np = pytest.importorskip("numpy")
-    ruptures = pytest.importorskip("ruptures")
-    from stability.phases import pelt
-
-    rng = np.random.default_rng(7)
-    signals = [np.zeros(40), np.r_[np.zeros(30), np.ones(30)], np.linspace(0, 3, 400) + rng.normal(0, 0.05, 400)]
-    for n in (6, 11, 25, 120, 400):
-        levels = np.repeat(rng.normal(0, 1, 8), n // 8 + 1)[:n]
-        signals += [levels + rng.normal(0, s, n) for s in (0.01, 0.3)]
-        signals.append(np.round(rng.normal(0, 1, n), 1))
-    for signal in signals:
-        for min_size in (2, 3, 5):
-            if len(signal) < 2 * min_size:
-                continue
-            for pen in (1e-3, 0.05, 0.5, 5.0):
-                want = ruptures.Pelt(model="l2", min_size=min_size, jump=1).fit(signal).predict(pen=pen)
-                assert pelt(signal, min_size=min_size, pen=pen) == want, (len(signal), min_size, pen)
