@@ -40,6 +40,7 @@ from stability.worker.sinks import ArchiveSink, RedisFindingsSink, archive_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _records import RecordFactory
+from _timing import tally_calls
 
 
 def fill(client: redis.Redis, run_id: str, n: int, signals: int) -> None:
@@ -102,16 +103,7 @@ def stages(args: argparse.Namespace) -> None:
     spent: dict[str, float] = {}
 
     def timed(owner: Any, name: str, label: str) -> None:
-        inner = getattr(owner, name)
-
-        def wrapper(*a: Any, **k: Any) -> Any:
-            start = time.process_time()
-            try:
-                return inner(*a, **k)
-            finally:
-                spent[label] = spent.get(label, 0.0) + time.process_time() - start
-
-        setattr(owner, name, wrapper)
+        tally_calls(owner, name, spent, label, time.process_time)
 
     class Timed(RunDiagnoser):
         pass

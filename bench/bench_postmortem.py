@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 TARGET_STEPS = 1_000_000
 
@@ -125,28 +124,18 @@ def stages(path: str) -> None:
     """Child process: ``stability postmortem PATH`` (:func:`stability.postmortem.run`) with the seconds spent in each
     of :data:`STAGES` (``analyze`` includes the phases, log context and performance lines; the detectors are
     ``analyze`` less those), the whole run and the peak RSS."""
-    import functools
     import importlib
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _timing import tally_calls
+
     spent: dict[str, float] = {}
-
-    def timed(module: Any, name: str) -> None:
-        inner = getattr(module, name)
-
-        @functools.wraps(inner)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-        setattr(module, name, wrapper)
 
     t0 = time.perf_counter()
     from stability import postmortem
     spent["import"] = time.perf_counter() - t0
     for module, name in STAGES:
-        timed(importlib.import_module(module), name)
+        tally_calls(importlib.import_module(module), name, spent)
     out = Path(path).with_suffix(".out")
     t0 = time.perf_counter()
     postmortem.run(path, json_out=f"{out}.json", html_out=f"{out}.html", progress=False)
