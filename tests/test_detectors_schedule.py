@@ -317,3 +317,18 @@ def test_slow_activation_growth_from_a_small_init_on_a_healthy_run_is_quiet(seed
         s["act_absmax/wpe"] *= shapes[shape]
         alerts, _ = run(s)
         assert [a.kind for a in alerts if a.severity is not Severity.INFO] == expect, (loss_falls, shape)
+
+
+def test_the_saved_lr_state_names_every_attribute_the_tracker_has() -> None:
+    """``LrSchedule.state_dict`` names its fields (no ``vars(self)``, which slows the hot object on CPython 3.11+):
+    a field added to ``__init__`` must be added to ``_STATE`` too, or a restored tracker would lose it."""
+    from stability.detectors.schedule import LrSchedule
+
+    tracker = LrSchedule()
+    for step, lr in enumerate([1e-4, 2e-4, 3e-4, 3e-4, 2.9e-4, 5e-3]):
+        tracker.update(step, lr)
+    fields = [k for k in vars(tracker) if k not in ("config", "_steady")]
+    assert list(LrSchedule._STATE) == fields
+    restored = LrSchedule()
+    restored.load_state_dict(tracker.state_dict())
+    assert restored.state_dict() == tracker.state_dict()
