@@ -13,6 +13,7 @@ or a "cannot connect" retried forever. Redis merely down is not an error: Celery
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from typing import Any
@@ -20,6 +21,12 @@ from typing import Any
 from stability.errors import ConfigError
 
 __all__ = ["main", "worker_argv"]
+
+GC_THRESHOLDS = (50_000, 50, 100)
+"""The worker's cyclic-GC thresholds (CPython's default is (700, 10, 10)). A worker holds long-lived detector state
+of thousands of ranks: with the defaults, creating 8,000 ranks' suites ran 9 full collections over the growing heap
+(~300 us of each new rank's first record, 473 vs 182 us; steady records unchanged at ~70 us, 11 signals). Detector
+updates make little cyclic garbage, so collecting less often costs little memory."""
 
 _DESCRIPTION = (
     "Run a Celery worker that diagnoses training runs. Redis (records and broker) comes from STABILITY_REDIS_URL "
@@ -66,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                               "(scheme://[user:password@]host:port/...)")
         if settings.broker_url is not None and settings.broker_url.startswith(("redis://", "rediss://", "unix://")):
             _preflight(settings.broker_url, "STABILITY_BROKER_URL")
+        gc.freeze()  # what the imports made (celery, numpy, ...) lives as long as the process: out of every collection
+        gc.set_threshold(*GC_THRESHOLDS)
         app.worker_main(cmd)
     except ConfigError as exc:  # e.g. a Redis Cluster URL with no separate broker (STABILITY_BROKER_URL)
         print(f"stability worker: {exc}", file=sys.stderr, flush=True)
