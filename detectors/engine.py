@@ -63,6 +63,7 @@ from stability.detectors.hang import HangConfig, HangDetector
 from stability.detectors.history import History
 from stability.detectors.memory import MemoryConfig, MemoryDetector
 from stability.detectors.nan import NanConfig, NanDetector
+from stability.detectors.oddity import OddityBudget
 from stability.detectors.plateau import PlateauConfig, PlateauDetector
 from stability.detectors.ranking import KIND_CAUSE, MAX_SKIP_BATCHES, rank_causes
 from stability.detectors.schedule import ScheduleConfig, ScheduleDetector
@@ -139,6 +140,9 @@ class DiagnoserConfig:
     rediagnose_steps: int = 100
     """A warning/error within this many steps (onset to onset) of a weaker earlier incident of the same rank, with a
     different first cause, re-diagnoses it (:meth:`RunDiagnoser._rediagnose`)."""
+    oddity_fits_per_step: int = 16
+    """At most this many IsolationForest precursor checks (~0.1 s of CPU each) for the findings of one onset step
+    (a bad batch every rank saw); later ones say in their evidence that the check was skipped."""
     history_steps: int = 256
     module_history_steps: int = 96
     max_series: int = 512
@@ -289,6 +293,8 @@ class RunDiagnoser:
         """Last incident of each rank (findings may still join it); performance incidents (a straggler, a hang)
         are apart, under key ``~rank`` (:func:`_open_key`)."""
         self._crossrank = CrossRankDetector(self.config.crossrank)
+        self._oddity = OddityBudget(self.config.oddity_fits_per_step)
+        """IsolationForest fits per onset step (not saved: a restarted worker may fit a step's forests again)."""
         self._fleet: list[Detector] = [StragglerDetector(self.config.straggler), HangDetector(self.config.hang)]
         """Engine-level performance detectors (a straggler rank, a silent rank); a shard's see only its ranks."""
         self._held: list[tuple[int, Finding, float]] = []
@@ -437,7 +443,7 @@ class RunDiagnoser:
                 suspect = source.suspect(rank, raw.step)
             if suspect is not None:
                 recent.append(suspect)
-            ranking = rank_causes(raw, suite.history, recent)
+            ranking = rank_causes(raw, suite.history, recent, oddity=self._oddity)
             finding = dataclasses.replace(raw, causes=ranking.causes, rollback_step=ranking.rollback_step,
                                           skip_batches=ranking.skip_batches, host=raw.host or suite.host)
             finding = self._rediagnose(rank, finding)
@@ -508,10 +514,9 @@ class RunDiagnoser:
             return finding
         return dataclasses.replace(finding, evidence={**finding.evidence, "rediagnoses": float(earliest)})
 
-    @staticmethod
-    def _rerank(suite: _RankSuite, incident: Incident, head: Finding) -> None:
+    def _rerank(self, suite: _RankSuite, incident: Incident, head: Finding) -> None:
         """Rank the headline again with a structural finding that joined later (one incident, all evidence)."""
-        ranking = rank_causes(head, suite.history, incident.findings)
+        ranking = rank_causes(head, suite.history, incident.findings, oddity=self._oddity)
         index = next(i for i, f in enumerate(incident.findings) if f is head)
         incident.findings[index] = dataclasses.replace(head, causes=ranking.causes,
                                                        rollback_step=ranking.rollback_step)

@@ -68,7 +68,7 @@ from stability.detectors.evidence import (
     robust_move,
 )
 from stability.detectors.history import History, Ring
-from stability.detectors.oddity import precursor_oddity
+from stability.detectors.oddity import OddityBudget, precursor_oddity
 from stability.detectors.steptime import PERF_KINDS, perf_causes
 
 __all__ = ["KIND_CAUSE", "Boundary", "Move", "Ranking", "SystemFact", "context_causes", "find_move", "granger_p",
@@ -169,13 +169,15 @@ FOLLOW_WINDOW = 10
 """Structural findings of the same incident starting up to this many steps after the onset still count (weaker)."""
 
 
-def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = ()) -> Ranking:
+def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = (), *,
+                oddity: OddityBudget | None = None) -> Ranking:
     """Rank catalogue causes for ``finding`` from the rank's ``history`` (which includes the finding's step).
 
     ``recent`` are earlier findings of the same rank (the open incident): a loss-scale collapse, a rank
     disagreement, a logit/activation growth or a gradient collapse shortly before the onset names its cause first.
     Structure and evidence rules come first; the lead-lag of the first precursor against the loss (cross-correlation
-    both ways) confirms or weakens it.
+    both ways) confirms or weakens it. ``oddity`` caps the IsolationForest fits per onset step (a bad batch that
+    every rank saw; see :mod:`~stability.detectors.oddity`); None: no cap.
     """
     if finding.kind in PERF_KINDS:  # performance findings name their cause; nothing to roll back or skip
         return Ranking(perf_causes(finding), None, ())
@@ -205,7 +207,7 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
         precursors += _gradient_rules(finding, history, hints, event)
         _slow_rules(finding, history, hints, event)
         _overflow_rules(finding, history, hints, event)
-        _data_rules(finding, history, hints, precursors, recent)
+        _data_rules(finding, history, hints, precursors, recent, oddity)
     hints.tie_break(history, t0)
     rollback = _rollback(history, min([t0] + [m.step for m in precursors]))
     return Ranking(hints.ranked(), rollback, _skip_batches(finding, history))
@@ -568,7 +570,7 @@ def _overflow_rules(finding: Finding, history: History, hints: _Hints, event: st
 
 
 def _data_rules(finding: Finding, history: History, hints: _Hints, precursors: list[Move],
-                recent: Sequence[Finding] = ()) -> None:
+                recent: Sequence[Finding] = (), budget: OddityBudget | None = None) -> None:
     if finding.evidence.get("reverted"):
         _reverted_rule(finding, history, hints, recent)
         return
@@ -578,7 +580,11 @@ def _data_rules(finding: Finding, history: History, hints: _Hints, precursors: l
         ratio = finding.evidence.get("ratio", math.nan)
         text = (f"loss jumped {ratio:.3g}x at step {finding.onset} with no precursor in gradients, update ratios, "
                 "LR or loss scale")
-        odd = precursor_oddity(history, finding.onset)
+        odd = precursor_oddity(history, finding.onset, budget=budget)
+        if odd is not None and not odd.checked:  # a storm: every rank spiked at this step
+            text += (f"; the multivariate precursor check (IsolationForest) was skipped: it already ran for "
+                     f"{odd.checked_at_step} other ranks' jumps at step {finding.onset}")
+            odd = None
         if odd is not None:  # no single signal moved, but their combination did: weaker
             steps = ", ".join(str(s) for s in odd.steps)
             text += (f"; but IsolationForest finds the records at step {steps} unusual across {odd.signals} "

@@ -436,3 +436,61 @@ def test_update_ratio_jump_of_attention_projections_only_names_attention_else_th
     jump = next(a for a in alerts if a.kind == "update_ratio_jump")
     assert jump.causes[0].cause == "lr_too_high", jump.causes
     assert "attention_logit_growth" not in [c.cause for c in jump.causes]
+
+
+def _storm(monkeypatch, *, ranks: int, replicas_agree: bool, per_step: int):
+    """A bad batch every rank saw: the loss of each of ``ranks`` data-parallel ranks doubles at step 500 with no
+    precursor. ``replicas_agree``: the global signals other than the loss (grad norm, LR, loss scale) are the same
+    on every rank, as after an all-reduce; otherwise each rank's differ. Returns (alerts, forests fit)."""
+    from collections import OrderedDict
+
+    from stability.detectors import oddity
+    from stability.detectors.engine import DiagnoserConfig
+
+    fits: list[int] = []
+    real_fit = oddity._fit
+
+    def counting_fit(*args, **kwargs):  # a spy: the real forest is fit, only the calls are counted
+        fits.append(1)
+        return real_fit(*args, **kwargs)
+
+    monkeypatch.setattr(oddity, "_fit", counting_fit)
+    monkeypatch.setattr(oddity, "_MEMO", OrderedDict())  # nothing from an earlier test in this process
+    series = []
+    for rank in range(ranks):
+        s = base(0 if replicas_agree else 100 + rank)
+        noise = np.random.default_rng(7 if replicas_agree else 200 + rank).normal(0, 0.05, N)
+        s["loss_scale"] = 65536.0 * np.exp(noise)
+        s["loss"] = base(300 + rank)["loss"]  # each rank's own micro-batches
+        s["loss"][500:504] *= 2.0
+        series.append(s)
+    diag = RunDiagnoser(DiagnoserConfig(oddity_fits_per_step=per_step))
+    alerts = []
+    for step in range(N):
+        for rank, s in enumerate(series):
+            signals = {k: float(v[step]) for k, v in s.items()}
+            alerts += diag.update(StepRecord(run_id="r", step=step, rank=rank, signals=signals))
+    alerts += diag.finish()
+    spikes = [a for a in alerts if a.kind == "loss_spike" and a.severity is not Severity.INFO]
+    assert sorted(a.rank for a in spikes) == list(range(ranks)), alerts
+    return spikes, len(fits)
+
+
+def test_a_bad_batch_on_every_rank_fits_at_most_the_step_budget_of_forests_and_says_so(monkeypatch) -> None:
+    """A storm: one IsolationForest per rank would cost ~0.1 s of CPU each (1,600 s at 16,384 ranks). Past the
+    step's budget the check is skipped, and the evidence says so; the cause is still ranked."""
+    spikes, fits = _storm(monkeypatch, ranks=10, replicas_agree=False, per_step=4)
+    assert fits == 4
+    skipped = [a for a in spikes if "check (IsolationForest) was skipped" in a.causes[0].evidence]
+    assert len(skipped) == 6
+    assert all("already ran for 4 other ranks' jumps at step 500" in a.causes[0].evidence for a in skipped)
+    assert all(a.causes[0].cause == "bad_batch" for a in spikes)
+
+
+def test_replicas_with_the_same_global_signals_share_one_forest(monkeypatch) -> None:
+    """All-reduced signals (grad norm, LR, loss scale) are the same on every replica: the forest's answer for
+    the same input is reused (exact: it is seeded), so nothing is skipped and one forest is fit."""
+    spikes, fits = _storm(monkeypatch, ranks=10, replicas_agree=True, per_step=4)
+    assert fits == 1
+    assert not any("skipped" in a.causes[0].evidence for a in spikes)
+    assert len({(a.causes[0].cause, a.causes[0].score) for a in spikes}) == 1
