@@ -465,7 +465,8 @@ class RunDiagnoser:
             new_machine = finding.kind == "rank_disagreement" and finding.kind not in incident.kinds
             head = incident.headline
             incident.findings.append(finding)
-            if finding.kind in KIND_CAUSE and incident.headline is head and head is not finding:
+            if incident.headline is head and head is not finding and (
+                    finding.kind in KIND_CAUSE or _grew_unexplained(head, finding, suite.history)):
                 self._rerank(suite, incident, head)
             incident.last_step = max(incident.last_step, finding.step)
             if finding.end is not None:
@@ -602,6 +603,13 @@ class RunDiagnoser:
         for detector in self._fleet:
             if detector.name in state.get("fleet", {}):
                 detector.load_state_dict(state["fleet"][detector.name])
+
+
+def _grew_unexplained(head: Finding, joined: Finding, history: History) -> bool:
+    """A divergence joined an incident headed by a loss spike ranked at detection, with no LR logged: the spike was
+    ranked on its first records only, and the runaway rule (``ranking._runaway``) reads the records after the onset,
+    so the headline is ranked again with them (with an LR logged the LR rules have already spoken)."""
+    return joined.kind == "divergence" and head.kind == "loss_spike" and history.lr.last is None
 
 
 def _open_key(rank: int, finding: Finding) -> int:

@@ -15,7 +15,9 @@ signal moved, lead-lag, Granger - are in :mod:`~stability.detectors.evidence`). 
 * NaN -> ``numerical_nan``; ``fp16_loss_scale`` first if the loss scale collapsed (>= 4x) before it.
 * loss scale collapsing first -> ``fp16_loss_scale``.
 * a one-step jump that reverted, or a spike with no precursor -> ``bad_batch`` (weaker when an IsolationForest
-  over the global signals isolates the records just before the onset: :mod:`~stability.detectors.oddity`).
+  over the global signals isolates the records just before the onset: :mod:`~stability.detectors.oddity`);
+  with no LR logged, a spike whose loss and gradient norm keep compounding from the onset on (:func:`_runaway`)
+  is a runaway update -> ``lr_too_high`` (0.65) above ``bad_batch`` (0.45).
 * global / per-layer grad norm or update ratio rising >= 3x in the ``lead`` steps before (or a per-layer update
   ratio >= 2x and >= 6 robust sigmas of its own log noise) -> ``lr_too_high``; strong when the LR itself jumped or
   rose >= 1.5x (ramp) after the warm-up within 100 steps ("lr rose 23x over the 60 steps before the onset").
@@ -589,10 +591,44 @@ def _data_rules(finding: Finding, history: History, hints: _Hints, precursors: l
             steps = ", ".join(str(s) for s in odd.steps)
             text += (f"; but IsolationForest finds the records at step {steps} unusual across {odd.signals} "
                      "signals (a precursor no single-signal rule names)")
-        hints.add("bad_batch", 0.6 if odd is None else 0.45, text)
+        runaway = _runaway(history, finding.onset) if history.lr.last is None else None
+        if runaway is not None:  # compounding, with no LR logged to show a change: not a one-batch outlier
+            hints.add("lr_too_high", 0.65, f"{runaway}: the update outgrows the curvature, as a step size too large "
+                                           "makes; no lr is logged to confirm it (handle.observe('lr', lr))",
+                      "loss")
+            text += f"; but {runaway}, which one bad batch does not do"
+        hints.add("bad_batch", 0.45 if odd is not None or runaway is not None else 0.6, text)
         hints.add("data_shift", 0.35, "the loss stayed elevated after the jump without a gradient precursor")
     elif finding.kind == "divergence":
         hints.add("data_shift", 0.5, "the loss level rose and stayed up without a gradient precursor")
+
+
+RUNAWAY_RECORDS = 3
+"""Records from the onset on over which the loss and the gradient norm must both rise at every record, ending
+>= :data:`RUNAWAY_GROWTH` x their value at the onset, for a loss event to count as a runaway (:func:`_runaway`)."""
+RUNAWAY_GROWTH = 2.0
+
+
+def _runaway(history: History, t0: int) -> str | None:
+    """The loss and the global gradient norm rising together at every record from the onset ``t0`` on (at least
+    :data:`RUNAWAY_RECORDS`), both ending >= :data:`RUNAWAY_GROWTH` x their onset value: the compounding growth of
+    an unstable update (root-causes.md: a bad batch is a one- to few-step outlier; the batches after it are normal
+    data). Its description, or None."""
+    glob = history.globals
+    if "loss" not in glob.series or "grad_norm" not in glob.series:
+        return None
+    after = glob.ordered() >= t0
+    loss = glob.ordered("loss")[after].astype(np.float64)
+    grad = glob.ordered("grad_norm")[after].astype(np.float64)
+    n = len(loss)
+    if n < RUNAWAY_RECORDS or not (np.all(np.isfinite(loss)) and np.all(np.isfinite(grad)) and grad[0] > 0):
+        return None
+    if not (np.all(np.diff(loss) > 0) and np.all(np.diff(grad) > 0)):
+        return None
+    if loss[-1] < RUNAWAY_GROWTH * loss[0] or grad[-1] < RUNAWAY_GROWTH * grad[0]:
+        return None
+    return (f"the loss and the grad norm kept rising together on every one of the {n} records from the onset "
+            f"({loss[0]:.4g} -> {loss[-1]:.4g}, {grad[0]:.4g} -> {grad[-1]:.4g})")
 
 
 def _reverted_rule(finding: Finding, history: History, hints: _Hints, recent: Sequence[Finding]) -> None:

@@ -25,10 +25,10 @@ def base(seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
-def diagnose(series: dict[str, np.ndarray], batches: bool = False):
+def diagnose(series: dict[str, np.ndarray], batches: bool = False, steps: int = N):
     diag = RunDiagnoser()
     alerts = []
-    for step in range(N):
+    for step in range(steps):
         signals = {k: float(v[step]) for k, v in series.items() if not np.isnan(v[step]) or k == "loss"}
         rec = StepRecord(run_id="r", step=step, signals=signals, batch=f"b{step}" if batches else None)
         alerts += diag.update(rec)
@@ -51,6 +51,40 @@ def test_sustained_spike_without_precursor_is_a_bad_batch() -> None:
     [alert], _ = diagnose(s, batches=True)
     assert alert.causes[0].cause == "bad_batch"
     assert alert.rollback_step == 499 and alert.skip_batches[0] == "b500"
+
+
+def _runaway_from(s: dict[str, np.ndarray], at: int) -> None:
+    """The loss and the grad norm compounding from ``at`` on (x1.6 and x1.5 a step), as an LR x100 on a hand-written
+    SGD update makes (tests/scripts/nn_tutorial.py): nothing moves before the loss."""
+    k = np.arange(N - at)
+    s["loss"][at:] *= 1.9 * 1.6 ** k
+    s["grad_norm"][at:] *= 1.5 ** (k + 1)
+
+
+def test_a_spike_that_keeps_compounding_with_no_lr_logged_is_lr_too_high_not_bad_batch() -> None:
+    s = base()
+    del s["lr"]
+    _runaway_from(s, 500)
+    _, diag = diagnose(s, steps=520)
+    incident = diag.incidents[0]
+    assert incident.kinds[0] == "loss_spike" and "divergence" in incident.kinds
+    causes = incident.headline.causes
+    assert [c.cause for c in causes[:2]] == ["lr_too_high", "bad_batch"], causes
+    assert "kept rising together" in causes[0].evidence and "no lr is logged" in causes[0].evidence
+    assert "which one bad batch does not do" in causes[1].evidence
+
+
+def test_the_runaway_rule_leaves_a_lasting_spike_and_a_logged_flat_lr_alone() -> None:
+    s = base()
+    del s["lr"]
+    s["loss"][500:504] *= 2.0  # lasts, but does not compound
+    s["grad_norm"][500:504] *= 3.0
+    [alert], _ = diagnose(s)
+    assert alert.causes[0].cause == "bad_batch" and "kept rising" not in alert.causes[0].evidence
+    s = base()  # the same runaway with the lr logged and flat: the LR rules decide, not this one
+    _runaway_from(s, 500)
+    _, diag = diagnose(s, steps=520)
+    assert all("kept rising together" not in c.evidence for c in diag.incidents[0].headline.causes)
 
 
 def test_lr_jump_with_update_ratio_precursor_is_lr_too_high() -> None:

@@ -166,17 +166,7 @@ def test_nn_tutorial_clean_run_is_captured_and_raises_nothing(tmp_path: Path) ->
     assert run.serious() == [], run.serious()
 
 
-_NN_DETECTOR_GAPS = {
-    # found, but not named right: with no lr signal (a hand update passes none) nothing shows the LR moved
-    "lr": "detector: without an lr signal an LR x100 on the MLP is a loss_spike ranked bad_batch",
-}
-
-
-@pytest.mark.parametrize(
-    "fault",
-    [pytest.param(f, marks=pytest.mark.xfail(reason=_NN_DETECTOR_GAPS[f], strict=False)) if f in _NN_DETECTOR_GAPS
-     else f for f in sorted(EXPECTED)],
-)
+@pytest.mark.parametrize("fault", sorted(EXPECTED))  # lr: no lr signal; named by the runaway rule (ranking._runaway)
 def test_nn_tutorial_fault_is_found(tmp_path: Path, fault: str) -> None:
     run = _run(tmp_path, NN_TUTORIAL, fault)
     assert len(run.records) == NN_TUTORIAL.steps
