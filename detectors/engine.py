@@ -515,10 +515,13 @@ class RunDiagnoser:
             return finding
         return dataclasses.replace(finding, evidence={**finding.evidence, "rediagnoses": float(earliest)})
 
-    def _rerank(self, suite: _RankSuite, incident: Incident, head: Finding) -> None:
-        """Rank the headline again with a structural finding that joined later (one incident, all evidence)."""
+    def _rerank(self, suite: _RankSuite, incident: Incident, head: Finding, *, reverted: bool = False) -> None:
+        """Rank the headline again with a structural finding that joined later (one incident, all evidence), or,
+        with ``reverted``, as the one-record jump it turned out to be (:func:`_one_record_jump`)."""
+        if reverted:
+            head = dataclasses.replace(head, evidence={**head.evidence, "reverted": 1.0})
         ranking = rank_causes(head, suite.history, incident.findings, oddity=self._oddity)
-        index = next(i for i, f in enumerate(incident.findings) if f is head)
+        index = next(i for i, f in enumerate(incident.findings) if f is incident.headline)
         incident.findings[index] = dataclasses.replace(head, causes=ranking.causes,
                                                        rollback_step=ranking.rollback_step)
 
@@ -530,6 +533,8 @@ class RunDiagnoser:
                 incident.end = max(incident.end or end, end)
                 batches = self._ranks[rank].history.batches
                 incident.late_batches += [batches[s] for s in sorted(batches) if match[0].step < s <= end]
+                if _one_record_jump(incident.headline, match[0], closing, self.config.spike.max_gap):
+                    self._rerank(self._ranks[rank], incident, incident.headline, reverted=True)
                 return
 
     def state_dict(self) -> dict[str, Any]:
@@ -610,6 +615,15 @@ def _grew_unexplained(head: Finding, joined: Finding, history: History) -> bool:
     ranked on its first records only, and the runaway rule (``ranking._runaway``) reads the records after the onset,
     so the headline is ranked again with them (with an LR logged the LR rules have already spoken)."""
     return joined.kind == "divergence" and head.kind == "loss_spike" and history.lr.last is None
+
+
+def _one_record_jump(head: Finding, closed: Finding, closing: Finding, max_gap: int) -> bool:
+    """The incident's headline is a huge loss jump alerted at once (before a next record could say whether it
+    reverted) and the spike detector closed it at the very next record (within ``max_gap`` steps, not averaged over
+    several steps): it was a one-record outlier, ranked again as the spike detector's reverted jumps are."""
+    return (head is closed and head.kind == "loss_spike" and closing.end == head.onset
+            and closing.step - head.onset <= max_gap and "loss_steps" not in head.evidence
+            and "confirm_ratio" not in head.evidence and not head.evidence.get("reverted"))
 
 
 def _open_key(rank: int, finding: Finding) -> int:

@@ -87,6 +87,19 @@ def test_the_runaway_rule_leaves_a_lasting_spike_and_a_logged_flat_lr_alone() ->
     assert all("kept rising together" not in c.evidence for c in diag.incidents[0].headline.causes)
 
 
+def test_a_huge_jump_alerted_at_once_that_reverts_at_the_next_record_is_re_ranked_a_bad_batch() -> None:
+    s = base()
+    s["grad_norm/h.0.attn"][499] *= 30.0  # a heavy-tailed batch just before: read as a gradient precursor at the alert
+    s["loss"][500] *= 8.0  # alerted at once (>= 3x), back at the next record
+    [alert], diag = diagnose(s)
+    assert alert.onset == 500 and alert.causes[0].cause == "lr_too_high"  # what the alert said at step 500
+    [incident] = diag.incidents
+    assert incident.end == 500
+    head = incident.headline.causes
+    assert head[0].cause == "bad_batch" and head[0].score == 0.93 and "reverted at the next step" in head[0].evidence
+    assert "lr_too_high" in [c.cause for c in head[1:]]
+
+
 def test_lr_jump_with_update_ratio_precursor_is_lr_too_high() -> None:
     s = base()
     s["lr"][480:] *= 10.0
