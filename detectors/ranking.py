@@ -15,8 +15,8 @@ signal moved, lead-lag, Granger - are in :mod:`~stability.detectors.evidence`). 
 * NaN -> ``numerical_nan``; ``fp16_loss_scale`` first if the loss scale collapsed (>= 4x) before it.
 * loss scale collapsing first -> ``fp16_loss_scale``.
 * a one-step jump that reverted (also a huge jump alerted at once that the next record shows reverted: the
-  engine ranks the incident's headline again), or a spike with no precursor -> ``bad_batch`` (weaker when an IsolationForest
-  over the global signals isolates the records just before the onset: :mod:`~stability.detectors.oddity`);
+  engine ranks the incident's headline again), or a spike with no precursor -> ``bad_batch`` (weaker when an
+  IsolationForest over the global signals isolates the records just before the onset: :mod:`~.oddity`);
   with no LR logged, a spike whose loss and gradient norm keep compounding from the onset on (:func:`_runaway`)
   is a runaway update -> ``lr_too_high`` (0.65) above ``bad_batch`` (0.45).
 * global / per-layer grad norm or update ratio rising >= 3x in the ``lead`` steps before (or a per-layer update
