@@ -61,7 +61,7 @@ from stability.detectors._stats import (
     times,
 )
 from stability.detectors.base import Finding, Severity
-from stability.records import StepRecord, loss_steps
+from stability.records import StepRecord, adversarial, loss_steps
 
 __all__ = ["SCREENS", "DivergenceConfig", "DivergenceDetector", "mann_kendall_z"]
 
@@ -135,8 +135,8 @@ class DivergenceDetector:
         self._trend_run = 0
 
     def update(self, record: StepRecord) -> list[Finding]:
-        """Consume one record."""
-        y = log_positive(record.get("loss"))
+        """Consume one record (not a one-side-of-a-game loss: :func:`~stability.records.adversarial`)."""
+        y = None if adversarial(record) else log_positive(record.get("loss"))
         if y is None:
             return []
         cfg = self.config

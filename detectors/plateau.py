@@ -33,7 +33,7 @@ import numpy as np
 from stability.detectors._stats import Window, log_positive, mad_scale, median, safe_exp
 from stability.detectors.base import Finding, Severity
 from stability.detectors.history import LrTracker
-from stability.records import StepRecord
+from stability.records import StepRecord, adversarial
 
 __all__ = ["PlateauConfig", "PlateauDetector"]
 
@@ -75,7 +75,7 @@ class PlateauDetector:
         cfg = self.config
         lr = record.get("lr")
         self._lr.update(record.step, lr)
-        y = log_positive(record.get("loss"))
+        y = None if adversarial(record) else log_positive(record.get("loss"))  # one side of a game: no plateau
         if y is None:
             return []
         self._win.push(record.step, y)

@@ -30,6 +30,9 @@ accumulation), ``loss`` is their **sum**: scripts that accumulate divide each mi
 micro-batches before ``backward()`` (nanoGPT, HF ``Trainer``, Lightning), so the sum is the step's true mean loss,
 where a mean would read true_loss / N. Losses passed by a framework adapter (:meth:`Capture.observe_loss`) are not
 divided: ``loss`` is their mean, and ``micro_batches`` their count. ``observe("loss", ...)`` overrides both rules.
+Losses backpropagated just before an *ignored* optimizer steps were for it (a GAN: ``errG.backward();
+optimizerG.step()`` between two discriminator steps) and are left out of the tracked step's loss; the record then
+carries ``objectives`` (1 + such optimizers): its loss is one side of a game, whose slow rises are not divergence.
 
 Loops without an optimizer (hand-written updates such as pytorch/examples ``word_language_model``): until an
 optimizer steps, step boundaries are inferred from the ``backward()`` / ``clip_grad_norm_`` / ``zero_grad()`` /
@@ -240,6 +243,8 @@ class _StepState:
     framework_losses: list[torch.Tensor] = field(default_factory=list)
     next_batch: str | None = None
     """A batch id set after a ``backward()`` of this step, before it was known to end."""
+    objectives: int = 1
+    """1 + the other optimizers that stepped on losses of their own in this step's window (a GAN: 2)."""
     forward_marks: tuple[dict[str, int], int] | None = None
     """Activation / logit entries at the last ``backward()`` (loops without an optimizer: later entries belong to
     the next step when this one ends at the next ``backward()``)."""
@@ -591,8 +596,13 @@ class Capture:
 
     @_hook
     def _on_pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._drive_steps and self._adopt(optimizer):
+        if self._drive_steps:
+            return
+        if self._adopt(optimizer):
             self._begin_step(optimizer)
+        elif self._state.losses:  # backpropagated since the tracked step: this other optimizer's loss (a GAN's G)
+            self._state.losses.clear()
+            self._state.objectives += 1
 
     @_hook
     def _on_post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -836,7 +846,8 @@ class Capture:
         if id(optimizer) not in self._ignored:
             self._ignored.add(id(optimizer))
             logger.info(
-                "stability: ignoring optimizer %s; only the first one to step is tracked", type(optimizer).__name__
+                "stability: ignoring optimizer %s; only the first one to step is tracked (the losses "
+                "backpropagated just before it steps are not the tracked step's loss)", type(optimizer).__name__
             )
         return False
 
@@ -1050,6 +1061,8 @@ class Capture:
             total = losses.mean() if framework or len(own) == 1 or not self._loss_divided else losses.sum()
             state.parts.append((["loss"], total.reshape(1)))
             state.host["micro_batches"] = float(len(own))
+        if state.objectives > 1:
+            state.host["objectives"] = float(state.objectives)
         call = self._scaler_call
         scaler = call[0] if call is not None else state.scaler
         if scaler is None or not getattr(scaler, "_enabled", False):

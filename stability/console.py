@@ -81,18 +81,26 @@ def alert_line(finding: Mapping[str, Any]) -> str:
 
 
 def summary_line(run_id: str, counts: Mapping[str, int], report: str | None, *, what: str = "incidents",
-                 suppressed: int = 0, wandb_url: str | None = None) -> str:
-    """The end-of-run line: counts per severity and the report's location."""
+                 suppressed: int = 0, wandb_url: str | None = None, died: str | None = None) -> str:
+    """The end-of-run line: how the run ended (``died``: why the training process is dying, e.g. its uncaught
+    exception), counts per severity and the report's location."""
     total = sum(counts.get(s, 0) for s in SEVERITIES)
     counted = ", ".join(f"{counts.get(s, 0)} {s}" for s in SEVERITIES)
     noun = what if total != 1 else what[:-1]
-    line = f"stability: run {run_id} done · {total} {noun} ({counted})"
+    ended = "done" if died is None else f"died ({_one_line(died, 160)})"
+    line = f"stability: run {run_id} {ended} · {total} {noun} ({counted})"
     if suppressed:
         line += f" · {suppressed} alert lines suppressed by the rate limit"
     line += f" · report {report}" if report else " · no report (see the worker log)"
     if wandb_url:
         line += f" · W&B {wandb_url}"
     return line
+
+
+def _one_line(text: str, limit: int) -> str:
+    """``text`` on one line, cut to ``limit`` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 class _Printer:
@@ -169,12 +177,14 @@ class ConsoleReporter:
         self._thread.start()
         return self
 
-    def stop(self, *, final: bool = True, drained: bool = True, timeout: float = 10.0, offline: bool = False) -> None:
+    def stop(self, *, final: bool = True, drained: bool = True, timeout: float = 10.0, offline: bool = False,
+             died: str | None = None) -> None:
         """Read what is left of the stream, print the summary line (``final``), stop the thread. Never raises.
 
         ``drained``: the worker has finished the run (its report exists); False with an external worker that may
         still be catching up (the summary then says where the report will be). ``offline``: Redis is not answering
-        (the exit spooled records): read nothing more, summarise what was read."""
+        (the exit spooled records): read nothing more, summarise what was read. ``died``: the training process is
+        dying (the reason: its uncaught exception, a signal), which the summary line says instead of "done"."""
         self._halt.set()
         if self._thread is not None:  # offline: it may be blocked on a hung Redis for its socket timeout
             self._thread.join(min(timeout, 0.1) if offline else timeout)
@@ -185,7 +195,7 @@ class ConsoleReporter:
                     client.close()
             self._read(block_ms=None)
             if final:
-                self._summary(drained)
+                self._summary(drained, died)
         except Exception as exc:
             self._log_once(exc)
         finally:
@@ -243,7 +253,7 @@ class ConsoleReporter:
         if self._on_line is not None:
             self._on_line(finding, time.monotonic())
 
-    def _summary(self, drained: bool) -> None:
+    def _summary(self, drained: bool, died: str | None = None) -> None:
         report: str | None = None
         wandb_url: str | None = None
         counts: Mapping[str, int] = self.counts
@@ -261,7 +271,7 @@ class ConsoleReporter:
         if report is None and not drained:
             report = f"{self.run_dir / 'report.html'} (written by the worker once it has drained the run)"
         self._safe_print(summary_line(self.run_id, counts, report, what=what, suppressed=self.suppressed,
-                                      wandb_url=wandb_url), "summary")
+                                      wandb_url=wandb_url, died=died), "summary")
 
     # -- helpers ---------------------------------------------------------------------------------------------
 

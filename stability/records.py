@@ -76,6 +76,14 @@ def loss_steps(record: StepRecord) -> float:
     value = record.signals.get("loss_steps", 1.0)
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value >= 1 else 1.0
 
+
+def adversarial(record: StepRecord) -> bool:
+    """``record``'s loss is one side of a game (``objectives`` > 1: other optimizers stepped on losses of their own
+    in its step, as a GAN's generator does between two discriminator steps): it rises whenever the other side
+    improves, so its slow drifts say nothing about divergence."""
+    value = record.signals.get("objectives", 1.0)
+    return isinstance(value, (int, float)) and value > 1
+
 PER_MODULE_QUANTITIES: tuple[str, ...] = (
     "grad_norm",
     "param_norm",

@@ -164,7 +164,7 @@ class Session:
             offline = not self.emitter.reachable  # Redis down or hung: the records are spooled, do not wait on it
             self._record_end(died, offline=offline)
             if self.reporter is not None:
-                self.reporter.stop(drained=False, timeout=1.0, offline=offline)
+                self.reporter.stop(drained=False, timeout=1.0, offline=offline, died=died)
                 self.reporter = None
             if self.supervisor is not None and self.supervisor.poll() is None:
                 with contextlib.suppress(ProcessLookupError):  # "clean exit": let the other ranks end first
@@ -178,7 +178,7 @@ class Session:
         if self.supervisor is not None and self.local_worker and not offline:
             drained = self._wait_drained(timeout)
         if self.reporter is not None:
-            self.reporter.stop(drained=drained, offline=offline)
+            self.reporter.stop(drained=drained, offline=offline, died=died)
             self.reporter = None
         if self.supervisor is not None:
             _stop_process(self.supervisor, SUPERVISOR_STOP_S, group=False)
@@ -195,7 +195,7 @@ class Session:
         self._record_end(reason, offline=offline)
         if self.reporter is not None:
             with contextlib.suppress(Exception):
-                self.reporter.stop(drained=False, offline=offline)
+                self.reporter.stop(drained=False, offline=offline, died=reason)
             self.reporter = None
 
     def _record_end(self, died: str | None, *, offline: bool = False) -> None:

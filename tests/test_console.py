@@ -174,3 +174,13 @@ def test_alert_line_and_remedy_wording() -> None:
     assert display_remedy("Lower the LR.", ()) == "Lower the LR."
     assert summary_line("r", {"error": 1}, "/x/report.html") == (
         "stability: run r done · 1 incident (1 error, 0 warning, 0 info) · report /x/report.html")
+
+
+def test_the_summary_line_says_how_a_run_died_on_one_line() -> None:
+    reason = ("RuntimeError: CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be "
+              + "x" * 300)
+    line = summary_line("r", {"error": 1}, None, died=reason)
+    assert line.startswith("stability: run r died (RuntimeError: CUDA error: an illegal memory access was encountered "
+                           "CUDA kernel errors might be xxx")
+    assert "\n" not in line and "...) · 1 incident (1 error, 0 warning, 0 info) · no report" in line
+    assert " done " not in line

@@ -365,3 +365,26 @@ def test_one_layer_exploding_inside_a_calm_global_norm_is_a_grad_explosion_namin
         (800, 801, "grad_norm/h.1", Severity.INFO, "layer_grad")]
     assert "grad_norm/h.0 jumped" in layer[0].message and "still" in layer[0].message
     assert layer[1].evidence["reverted"] == 1.0 and diag.incidents[-1].headline.causes[0].cause == "bad_batch"
+
+
+def test_one_side_of_a_game_rising_is_not_a_divergence_but_still_spikes() -> None:
+    from stability.detectors.divergence import DivergenceDetector
+    from stability.detectors.engine import RunDiagnoser
+
+    rng = random.Random(3)
+    losses = [0.75 * (1.004 ** max(0, i - 200)) * (1 + rng.gauss(0, 0.02)) for i in range(400)]  # +1.6x over 200
+
+    def records(game: bool, spike_at: int | None = None) -> list[StepRecord]:
+        extra = {"objectives": 2.0} if game else {}
+        return [StepRecord(run_id="r", step=i, signals={"loss": y * (8.0 if i == spike_at else 1.0), **extra})
+                for i, y in enumerate(losses)]
+
+    def kinds(recs: list[StepRecord]) -> set[str]:
+        diag = RunDiagnoser()
+        found = [f for r in recs for f in diag.update(r)] + diag.finish()
+        return {f.kind for f in found if f.severity is not Severity.INFO}
+
+    alone = DivergenceDetector()
+    assert any(f.kind == "divergence" for r in records(False) for f in alone.update(r))  # a single objective: yes
+    assert "divergence" not in kinds(records(True))  # the discriminator's loss as its generator improves: no
+    assert "loss_spike" in kinds(records(True, spike_at=120))  # spikes are still spikes

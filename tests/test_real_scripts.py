@@ -9,6 +9,10 @@ be found with the right kind at the step they were injected.
   the recorded loss must be the true (undivided) loss.
 * ``nn_tutorial.py`` (pytorch/tutorials "What is torch.nn really?"): an MLP, ``p -= p.grad * lr`` under
   ``no_grad`` then ``model.zero_grad()`` at the end of each iteration, no clipping, no optimizer.
+* ``dcgan.py`` (pytorch/examples dcgan): two Adam optimizers; the discriminator steps first (tracked), the
+  generator's ``errG.backward()`` runs between two discriminator steps and must not count in its loss; the losses
+  of the two networks swing against each other by design. BCELoss refuses a NaN input: the NaN fault kills the
+  script, which must be recorded as died at its last step with the reason.
 * ``mnist.py`` (pytorch/examples mnist): a CNN with dropout, ``Adadelta(lr=1.0)``, ``StepLR`` stepped per epoch
   (the LR drops 0.7x every 50 steps), and a training loss that reaches 1e-3-1e-2 where single batches lift it
   10x: the heavy-tailed regime a clean run must not alarm on.
@@ -25,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from stability import postmortem, supervisor
+from stability import postmortem, runstate, supervisor
 from stability.records import StepRecord
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -64,7 +68,7 @@ class Run:
         return [e for e in self.events if e["severity"] in ("warning", "error")]
 
 
-def _run(tmp_path: Path, script: Script, fault: str, *extra: str) -> Run:
+def _run(tmp_path: Path, script: Script, fault: str, *extra: str, dies: bool = False) -> Run:
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STABILITY_", "WANDB_"))}
     env.update(OMP_NUM_THREADS="1", STABILITY_RUN_DIR=str(run_dir), PYTHONUNBUFFERED="1")
@@ -72,7 +76,7 @@ def _run(tmp_path: Path, script: Script, fault: str, *extra: str) -> Run:
         [sys.executable, str(SCRIPTS / script.file), "--steps", str(script.steps), "--fault", fault, *extra],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (proc.returncode != 0) is dies, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "error in hook" not in proc.stderr, proc.stderr[-3000:]
     assert supervisor.wait_stopped(run_dir, 240)  # the local worker finishes the run after the process exits
     records = postmortem.load_run_dir(run_dir)
@@ -200,3 +204,41 @@ def test_mnist_fault_is_found(tmp_path: Path, fault: str) -> None:
     assert [e for e in run.serious() if e["kind"] == kind and MNIST.fault_step <= e["onset"] <= MNIST.fault_step
             + slack], run.events  # the right kind at the right step, whatever the cause
     _assert_found(run, MNIST, fault)
+
+
+# ---------------------------------------------------------------------- DCGAN (two optimizers, adversarial losses)
+
+DCGAN = Script("dcgan.py", 200)
+
+
+def test_dcgan_clean_run_tracks_the_discriminator_loss_only_and_raises_nothing(tmp_path: Path) -> None:
+    log = tmp_path / "losses.txt"
+    run = _run(tmp_path, DCGAN, "none", "--loss-log", str(log))
+    assert [r.step for r in run.records] == list(range(DCGAN.steps))
+    true = _true_losses(log)  # errD = errD_real + errD_fake, as the example prints Loss_D
+    for record in run.records:  # errG.backward() (for optimizerG) between two discriminator steps is left out
+        assert record.get("micro_batches") == 2, record.step
+        assert record.get("loss") == pytest.approx(true[record.step], rel=1e-5), record.step
+        assert record.signals.get("objectives") == (2.0 if record.step else None), record.step  # G steps after D
+    assert "grad_norm/main.0" in run.records[50].signals and "adam_v_ratio/main.0" in run.records[50].signals
+    assert _stability_warnings(run.proc.stderr) == []
+    assert run.serious() == [], run.serious()
+
+
+@pytest.mark.parametrize("fault", ["lr", "batch"])  # nan: the script dies of it (next test)
+def test_dcgan_fault_is_found(tmp_path: Path, fault: str) -> None:
+    run = _run(tmp_path, DCGAN, fault)
+    assert len(run.records) == DCGAN.steps
+    _assert_found(run, DCGAN, fault)
+
+
+def test_dcgan_killed_by_its_own_nan_is_recorded_as_died_at_its_last_step(tmp_path: Path) -> None:
+    run = _run(tmp_path, DCGAN, "nan", dies=True)  # BCELoss raises on the NaN the discriminator outputs
+    assert "RuntimeError: all elements of input should be between 0 and 1" in run.proc.stderr
+    assert [r.step for r in run.records] == list(range(DCGAN.fault_step))
+    status = runstate.read_status_file(run.run_dir)
+    assert status is not None and status.status == runstate.DIED and status.step == DCGAN.fault_step - 1
+    assert status.reason.startswith("RuntimeError: all elements of input")
+    summary = [line for line in run.proc.stderr.splitlines() if line.startswith("stability: run ")][-1]
+    assert " died (RuntimeError: all elements of input should be between 0 and 1) · " in summary, summary
+    assert run.serious() == [], run.serious()
