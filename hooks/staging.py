@@ -152,6 +152,7 @@ class Reader:
         """Staged steps dropped because the queue was full, plus records the sink refused."""
         self.delivered = 0
         """Records the sink accepted."""
+        self._negative_loss_said = False
         self._thread = threading.Thread(target=self._run, name="stability-capture-reader", daemon=True)
         self._thread.start()
 
@@ -199,6 +200,8 @@ class Reader:
         except Exception as exc:
             self._on_error(exc, "reader")
             return
+        if not self._negative_loss_said:
+            self._say_negative_loss(record)
         try:
             accepted = self._sink.put(record)
         except Exception as exc:
@@ -208,3 +211,15 @@ class Reader:
             self.dropped += 1
         else:
             self.delivered += 1
+
+    def _say_negative_loss(self, record: StepRecord) -> None:
+        """Once: a negative loss (a policy-gradient or WGAN critic loss, a log-density) is out of reach of the
+        detectors that read the loss on a log scale; say so in the training console instead of staying silent."""
+        loss = record.signals.get("loss")
+        if isinstance(loss, float) and loss < 0:
+            self._negative_loss_said = True
+            logger.warning(
+                "stability: the loss is negative (%.4g at step %d): the loss-spike, divergence and plateau detectors "
+                "read the loss on a log scale and skip such values; gradient, NaN, update-ratio and the other "
+                "detectors still watch the run (observe a positive loss with handle.observe('loss', value))",
+                loss, record.step)

@@ -634,3 +634,23 @@ def test_steps_ending_at_the_next_backward_keep_their_own_activations_and_batch_
         assert ("act_absmax/0" in record.signals) == sampled, record.step
         if sampled:
             assert record.get("act_absmax/0") == pytest.approx(outputs[record.step], rel=1e-6)
+
+
+def test_a_negative_loss_is_said_once_in_the_console(caplog):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="negative"), sink).attach(model, opt)
+    with caplog.at_level(logging.WARNING, logger="stability.hooks.staging"):
+        try:
+            for step in range(6):  # a policy-gradient-like loss: positive first, then negative
+                loss = model(torch.randn(4, 8)).mean().abs() * (1.0 if step < 2 else -1.0)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            capture.close()
+    assert [r.get("loss") < 0 for r in sink.records] == [False, False, True, True, True, True]
+    said = [r.getMessage() for r in caplog.records if "loss is negative" in r.getMessage()]
+    assert len(said) == 1 and "at step 2" in said[0] and "skip such values" in said[0], said
