@@ -80,6 +80,8 @@ class Result:
     lag_max: int = 0
     lag_end: int = 0
     lag_samples: list[tuple[float, int]] = field(default_factory=list)
+    unread_max: int = 0
+    """Live mode: the most entries not yet read by any drain (the lag without the processed, uncommitted ones)."""
     latencies: list[float] = field(default_factory=list)
     injected: int = 0
     findings: dict[str, int] = field(default_factory=dict)
@@ -229,11 +231,12 @@ def fill_backlog(client: redis.Redis[bytes], runs: list[str], args: argparse.Nam
 
 
 # ----------------------------------------------------------------------------------------------------- measuring
-def unacked(client: redis.Redis[bytes], runs: list[str], ranks: int) -> int:
+def unacked(client: redis.Redis[bytes], runs: list[str], ranks: int, *, unread: list[int] | None = None) -> int:
     """Entries written but not acked, over every rank stream: lag (never delivered) + pending (delivered, unacked);
-    a stream without the group yet counts whole."""
+    a stream without the group yet counts whole. ``unread`` gets the lag alone (entries not yet read by a drain:
+    pending entries were processed and wait for a commit)."""
     streams = [keys.records(run, r) for run in runs for r in range(ranks)]
-    total = 0
+    total = never = 0
     for start in range(0, len(streams), 2048):
         chunk = streams[start:start + 2048]
         pipe = client.pipeline(transaction=False)
@@ -246,9 +249,13 @@ def unacked(client: redis.Redis[bytes], runs: list[str], ranks: int) -> int:
                 if isinstance(groups, list) else None
             if group is None:
                 total += int(length) if isinstance(length, int) else 0
+                never += int(length) if isinstance(length, int) else 0
             else:
-                lag = group.get("lag")
-                total += int(group["pending"]) + (int(lag) if lag is not None else 0)
+                lag = int(group.get("lag") or 0)
+                total += int(group["pending"]) + lag
+                never += lag
+    if unread is not None:
+        unread.append(never)
     return total
 
 
@@ -406,8 +413,10 @@ def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespa
 
     def sample(t0: float) -> None:
         while not stop.wait(1.0):
-            n = unacked(sampler_client, runs, args.ranks)
+            unread: list[int] = []
+            n = unacked(sampler_client, runs, args.ranks, unread=unread)
             result.lag_samples.append((time.monotonic() - t0, n))
+            result.unread_max = max(result.unread_max, unread[0])
             memory(sampler_client, result)
 
     with workers(url, args.workers, tmp, args) as procs:
@@ -528,7 +537,8 @@ def print_summary(out: dict[str, Any]) -> None:
         base = f" (bare loop {out['baseline_per_cpu_s']:,.0f} per CPU-second)" if out["baseline_per_cpu_s"] else ""
         print(f"  per CPU-second    : {out['per_worker_cpu_s']:,.0f} records per worker CPU-second "
               f"({out['worker_cpu_s']:.1f} CPU-s){base}; load average {out['load']:.1f}")
-    print(f"  consumer lag      : max {out['lag_max']:,} entries, {out['lag_end']:,} at the end")
+    print(f"  consumer lag      : max {out['lag_max']:,} entries, {out['lag_end']:,} at the end"
+          + (f" (not yet read: max {out['unread_max']:,})" if out["mode"] == "live" else ""))
     print(f"  latency (nan)     : p50 {ms(out['latency_p50_s'])}, p99 {ms(out['latency_p99_s'])}, "
           f"max {ms(out['latency_max_s'])} ({out['latency_samples']} of {out['injected']} injected)")
     print(f"  redis used_memory : {out['used_memory'] / 2**20:,.1f} MiB (peak {out['used_memory_peak'] / 2**20:,.1f})")

@@ -470,10 +470,11 @@ class Drainer:
         if every is not ctx.ranks:
             ctx.ranks, ctx.selected = every, self._select(every)
         ranks = ctx.selected
-        for rank in ranks:
-            if rank not in ctx.cursors:
-                self._create_group(rank)
-                self._claim_abandoned(rank)
+        new = [rank for rank in ranks if rank not in ctx.cursors]
+        if new:
+            self._create_groups(new)
+            self._claim_abandoned(new)
+            for rank in new:
                 ctx.cursors[rank] = "0"  # first re-read what this consumer has pending
         return ranks
 
@@ -515,25 +516,34 @@ class Drainer:
 
     # -- reading ---------------------------------------------------------------------------------------------
 
-    def _create_group(self, rank: int) -> None:
-        try:
-            self.client.xgroup_create(keys.records(self.run_id, rank), keys.GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+    def _create_groups(self, ranks: list[int]) -> None:
+        """The consumer group on each rank's stream (one pipelined round trip for a shard's new ranks)."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for rank in ranks:
+                pipe.xgroup_create(keys.records(self.run_id, rank), keys.GROUP, id="0", mkstream=True)
+            replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply):
+                raise reply
 
-    def _claim_abandoned(self, rank: int) -> None:
-        """Move entries pending on other consumers (idle for a lease or more) to ours."""
-        stream, start = keys.records(self.run_id, rank), "0-0"
-        while True:
-            reply = self.client.xautoclaim(
-                stream, keys.GROUP, CONSUMER, min_idle_time=self.lease_ms, start_id=start, count=self.batch
-            )
-            start = _text(reply[0])  # type: ignore[index]
-            if reply[1]:  # type: ignore[index]
-                logger.info("%s rank %d: claimed %d abandoned entries", self.run_id, rank, len(reply[1]))  # type: ignore[index]
-            if start == "0-0":
-                return
+    def _claim_abandoned(self, ranks: list[int]) -> None:
+        """Move entries pending on other consumers (idle for a lease or more) to ours (one pipelined round trip per
+        page, over every rank that has more)."""
+        starts = {rank: "0-0" for rank in ranks}
+        while starts:
+            with self.client.pipeline(transaction=False) as pipe:
+                for rank, start in starts.items():
+                    pipe.xautoclaim(keys.records(self.run_id, rank), keys.GROUP, CONSUMER,
+                                    min_idle_time=self.lease_ms, start_id=start, count=self.batch)
+                replies = pipe.execute()
+            more = {}
+            for rank, reply in zip(starts, replies, strict=True):
+                if reply[1]:
+                    logger.info("%s rank %d: claimed %d abandoned entries", self.run_id, rank, len(reply[1]))
+                start = _text(reply[0])
+                if start != "0-0":
+                    more[rank] = start
+            starts = more
 
     def _read(self, positions: dict[int, str]) -> dict[int, list[tuple[bytes, dict[bytes, bytes]]]]:
         if not positions:
