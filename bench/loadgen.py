@@ -90,6 +90,11 @@ class Result:
     redis_version: str = ""
     bytes_per_record: int = 0
     worker_cpu_s: float = 0.0
+    writing_s: float = 0.0
+    """Live mode: wall seconds while steps were written (the first step's start to the last step's end)."""
+    writing_cpu: dict[str, float] = field(default_factory=dict)
+    """Live mode: CPU seconds while steps were written: ``workers``, ``loadgen`` (this process: the writer and the lag
+    sampler, which reads every stream's group once a second) and ``redis``."""
     """CPU seconds (user + system) the worker processes spent (their main processes: the drains; not the beat)."""
     baseline_cpu_s: float = 0.0
     """CPU seconds of the bare XREADGROUP + XACK loop (this process, while it ran)."""
@@ -259,6 +264,11 @@ def unacked(client: redis.Redis[bytes], runs: list[str], ranks: int, *, unread: 
     return total
 
 
+def _redis_cpu(client: redis.Redis[bytes]) -> float:
+    info: dict[str, Any] = client.info("cpu")  # type: ignore[assignment]
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -422,6 +432,7 @@ def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespa
     with workers(url, args.workers, tmp, args) as procs:
         pids = [p.pid for p in procs]
         cpu = cpu_seconds(pids)
+        own, server = time.process_time(), _redis_cpu(client)
         t0 = time.monotonic()
         sampler = threading.Thread(target=sample, args=(t0,), daemon=True)
         sampler.start()
@@ -432,7 +443,10 @@ def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespa
                 time.sleep(wait)
             late = max(late, -wait)
             written += writer.write(step)
-        result.written_per_s = written / max(1e-9, time.monotonic() - t0)
+        result.writing_s = time.monotonic() - t0
+        result.writing_cpu = {"workers": cpu_seconds(pids) - cpu, "loadgen": time.process_time() - own,
+                              "redis": _redis_cpu(client) - server}
+        result.written_per_s = written / max(1e-9, result.writing_s)
         drain_deadline = time.monotonic() + args.timeout
         while unacked(client, runs, args.ranks) and time.monotonic() < drain_deadline:
             time.sleep(0.25)
@@ -537,6 +551,9 @@ def print_summary(out: dict[str, Any]) -> None:
         base = f" (bare loop {out['baseline_per_cpu_s']:,.0f} per CPU-second)" if out["baseline_per_cpu_s"] else ""
         print(f"  per CPU-second    : {out['per_worker_cpu_s']:,.0f} records per worker CPU-second "
               f"({out['worker_cpu_s']:.1f} CPU-s){base}; load average {out['load']:.1f}")
+    if out["writing_cpu"]:
+        shares = ", ".join(f"{k} {v:.1f} ({v / out['writing_s']:.2f} cores)" for k, v in out["writing_cpu"].items())
+        print(f"  CPU while writing : {out['writing_s']:.1f} s: {shares}")
     print(f"  consumer lag      : max {out['lag_max']:,} entries, {out['lag_end']:,} at the end"
           + (f" (not yet read: max {out['unread_max']:,})" if out["mode"] == "live" else ""))
     print(f"  latency (nan)     : p50 {ms(out['latency_p50_s'])}, p99 {ms(out['latency_p99_s'])}, "
