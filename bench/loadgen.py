@@ -80,6 +80,8 @@ class Result:
     lag_max: int = 0
     lag_end: int = 0
     lag_samples: list[tuple[float, int]] = field(default_factory=list)
+    unread_max: int = 0
+    """Live mode: the most entries not yet read by any drain (the lag without the processed, uncommitted ones)."""
     latencies: list[float] = field(default_factory=list)
     injected: int = 0
     findings: dict[str, int] = field(default_factory=dict)
@@ -88,6 +90,11 @@ class Result:
     redis_version: str = ""
     bytes_per_record: int = 0
     worker_cpu_s: float = 0.0
+    writing_s: float = 0.0
+    """Live mode: wall seconds while steps were written (the first step's start to the last step's end)."""
+    writing_cpu: dict[str, float] = field(default_factory=dict)
+    """Live mode: CPU seconds while steps were written: ``workers``, ``loadgen`` (this process: the writer and the lag
+    sampler, which reads every stream's group once a second) and ``redis``."""
     """CPU seconds (user + system) the worker processes spent (their main processes: the drains; not the beat)."""
     baseline_cpu_s: float = 0.0
     """CPU seconds of the bare XREADGROUP + XACK loop (this process, while it ran)."""
@@ -229,11 +236,12 @@ def fill_backlog(client: redis.Redis[bytes], runs: list[str], args: argparse.Nam
 
 
 # ----------------------------------------------------------------------------------------------------- measuring
-def unacked(client: redis.Redis[bytes], runs: list[str], ranks: int) -> int:
+def unacked(client: redis.Redis[bytes], runs: list[str], ranks: int, *, unread: list[int] | None = None) -> int:
     """Entries written but not acked, over every rank stream: lag (never delivered) + pending (delivered, unacked);
-    a stream without the group yet counts whole."""
+    a stream without the group yet counts whole. ``unread`` gets the lag alone (entries not yet read by a drain:
+    pending entries were processed and wait for a commit)."""
     streams = [keys.records(run, r) for run in runs for r in range(ranks)]
-    total = 0
+    total = never = 0
     for start in range(0, len(streams), 2048):
         chunk = streams[start:start + 2048]
         pipe = client.pipeline(transaction=False)
@@ -246,10 +254,19 @@ def unacked(client: redis.Redis[bytes], runs: list[str], ranks: int) -> int:
                 if isinstance(groups, list) else None
             if group is None:
                 total += int(length) if isinstance(length, int) else 0
+                never += int(length) if isinstance(length, int) else 0
             else:
-                lag = group.get("lag")
-                total += int(group["pending"]) + (int(lag) if lag is not None else 0)
+                lag = int(group.get("lag") or 0)
+                total += int(group["pending"]) + lag
+                never += lag
+    if unread is not None:
+        unread.append(never)
     return total
+
+
+def _redis_cpu(client: redis.Redis[bytes]) -> float:
+    info: dict[str, Any] = client.info("cpu")  # type: ignore[assignment]
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def _text(value: bytes | str) -> str:
@@ -406,13 +423,16 @@ def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespa
 
     def sample(t0: float) -> None:
         while not stop.wait(1.0):
-            n = unacked(sampler_client, runs, args.ranks)
+            unread: list[int] = []
+            n = unacked(sampler_client, runs, args.ranks, unread=unread)
             result.lag_samples.append((time.monotonic() - t0, n))
+            result.unread_max = max(result.unread_max, unread[0])
             memory(sampler_client, result)
 
     with workers(url, args.workers, tmp, args) as procs:
         pids = [p.pid for p in procs]
         cpu = cpu_seconds(pids)
+        own, server = time.process_time(), _redis_cpu(client)
         t0 = time.monotonic()
         sampler = threading.Thread(target=sample, args=(t0,), daemon=True)
         sampler.start()
@@ -423,7 +443,10 @@ def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespa
                 time.sleep(wait)
             late = max(late, -wait)
             written += writer.write(step)
-        result.written_per_s = written / max(1e-9, time.monotonic() - t0)
+        result.writing_s = time.monotonic() - t0
+        result.writing_cpu = {"workers": cpu_seconds(pids) - cpu, "loadgen": time.process_time() - own,
+                              "redis": _redis_cpu(client) - server}
+        result.written_per_s = written / max(1e-9, result.writing_s)
         drain_deadline = time.monotonic() + args.timeout
         while unacked(client, runs, args.ranks) and time.monotonic() < drain_deadline:
             time.sleep(0.25)
@@ -528,7 +551,11 @@ def print_summary(out: dict[str, Any]) -> None:
         base = f" (bare loop {out['baseline_per_cpu_s']:,.0f} per CPU-second)" if out["baseline_per_cpu_s"] else ""
         print(f"  per CPU-second    : {out['per_worker_cpu_s']:,.0f} records per worker CPU-second "
               f"({out['worker_cpu_s']:.1f} CPU-s){base}; load average {out['load']:.1f}")
-    print(f"  consumer lag      : max {out['lag_max']:,} entries, {out['lag_end']:,} at the end")
+    if out["writing_cpu"]:
+        shares = ", ".join(f"{k} {v:.1f} ({v / out['writing_s']:.2f} cores)" for k, v in out["writing_cpu"].items())
+        print(f"  CPU while writing : {out['writing_s']:.1f} s: {shares}")
+    print(f"  consumer lag      : max {out['lag_max']:,} entries, {out['lag_end']:,} at the end"
+          + (f" (not yet read: max {out['unread_max']:,})" if out["mode"] == "live" else ""))
     print(f"  latency (nan)     : p50 {ms(out['latency_p50_s'])}, p99 {ms(out['latency_p99_s'])}, "
           f"max {ms(out['latency_max_s'])} ({out['latency_samples']} of {out['injected']} injected)")
     print(f"  redis used_memory : {out['used_memory'] / 2**20:,.1f} MiB (peak {out['used_memory_peak'] / 2**20:,.1f})")

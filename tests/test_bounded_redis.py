@@ -18,6 +18,7 @@ import pytest
 
 from stability import keys
 from stability.embedded import RedisServer, free_port
+from stability.errors import ConfigError
 from stability.postmortem import load_archive
 from stability.worker import drain as drain_module
 from stability.worker.drain import Drainer, SnapshotPolicy, owner_key
@@ -147,6 +148,22 @@ def test_snapshot_cadence_by_records(redis_client: Any) -> None:
     assert result.processed == 3 and result.committed == 0 and pending(redis_client, 0) == 4
     assert saved_state(redis_client)["steps"]["0"] == list(range(24))
 
+
+
+@pytest.mark.parametrize(("rank_records", "max_every_s", "committed"), [(1, 120.0, 32), (5, 120.0, 24), (5, 0.0, 32)])
+def test_snapshot_cadence_by_entries_per_moved_rank(redis_client: Any, rank_records: int, max_every_s: float,
+                                                     committed: int) -> None:
+    """``rank_records``: a commit by ``every_records`` also waits for that many entries per rank that moved (4
+    ranks x 5 = 20 here: batches of 8 entries commit at 24, not at 16 and 32), at most ``max_every_s``."""
+    for step in range(10):
+        for rank in range(4):
+            xadd(redis_client, record(step, rank))
+    policy = SnapshotPolicy(every_s=1e9, every_records=10, rank_records=rank_records, max_every_s=max_every_s)
+    result = Drainer(redis_client, RUN, sinks=[], batch=2, diagnoser=Recorder, snapshot=policy).run()
+    assert result.processed == 40 and result.committed == committed
+    assert sum(pending(redis_client, rank) for rank in range(4)) == 40 - committed
+    with pytest.raises(ConfigError, match="rank_records"):
+        SnapshotPolicy(rank_records=0)
 
 
 @pytest.mark.parametrize("max_share", [1.0, 1e-6])
@@ -348,8 +365,8 @@ def test_embedded_config_rewrites_the_append_only_file(tmp_path: Path) -> None:
 
 
 def test_worker_settings_carry_the_snapshot_policy() -> None:
-    from stability.errors import ConfigError
     from stability.worker.app import WorkerSettings
+    from stability.worker.tasks import _snapshot_policy
 
     assert (WorkerSettings.from_env({}).snapshot_s, WorkerSettings.from_env({}).snapshot_n) == (5.0, 5000)
     settings = WorkerSettings.from_env({"STABILITY_SNAPSHOT_S": "0.5", "STABILITY_SNAPSHOT_N": "200"})
@@ -359,6 +376,10 @@ def test_worker_settings_carry_the_snapshot_policy() -> None:
     with pytest.raises(ConfigError, match="every_records"):
         SnapshotPolicy(every_records=0)
     assert WorkerSettings.from_env({}).snapshot_share == 0.1
+    assert WorkerSettings.from_env({}).snapshot_rank_n == _snapshot_policy().rank_records == 20
+    assert WorkerSettings.from_env({"STABILITY_SNAPSHOT_RANK_N": "3"}).snapshot_rank_n == 3
+    with pytest.raises(ConfigError, match="STABILITY_SNAPSHOT_RANK_N"):
+        WorkerSettings.from_env({"STABILITY_SNAPSHOT_RANK_N": "0"})
     assert WorkerSettings.from_env({"STABILITY_SNAPSHOT_SHARE": "1"}).snapshot_share == 1.0
     with pytest.raises(ConfigError, match="STABILITY_SNAPSHOT_SHARE"):
         WorkerSettings.from_env({"STABILITY_SNAPSHOT_SHARE": "0"})

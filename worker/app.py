@@ -31,7 +31,12 @@ variable                    default                     meaning
 ==========================  ==========================  ===============================================
 
 ``STABILITY_SNAPSHOT_SHARE`` (default ``0.1``): timed snapshots take at most about this share of a drain's time; after
-a commit that took c seconds the next timed one waits c / share (at most 120 s; ``SnapshotPolicy.max_share``, 1: off).
+a commit that took c seconds the next timed one waits until the drain has spent c (1 / share - 1) seconds of its own
+busy time (at most 120 s of wall time; ``SnapshotPolicy.max_share``, 1: off).
+
+``STABILITY_SNAPSHOT_RANK_N`` (default ``20``): a snapshot by ``STABILITY_SNAPSHOT_N`` also waits until this many
+entries per rank that moved were processed (at most 120 s; ``SnapshotPolicy.rank_records``): a snapshot packs every
+rank that moved, so a shard of 1,024 ranks would otherwise pack a rank's state for every 5 records.
 
 ``STABILITY_SNAPSHOT_IDLE_S`` (default: ``STABILITY_SNAPSHOT_S``): a drain that has caught up commits once this long
 has passed since the last commit (``SnapshotPolicy.idle_s``; shorter: less to re-process when the run's next drain
@@ -90,6 +95,9 @@ class WorkerSettings:
     """Seconds between commits of a run (detector snapshot, acks, stream trim); see ``drain.SnapshotPolicy``."""
     snapshot_n: int = 5_000
     """Entries processed after which a run is committed anyway."""
+    snapshot_rank_n: int = 20
+    """A commit by ``snapshot_n`` also waits for this many entries per rank that moved
+    (``SnapshotPolicy.rank_records``; at most 120 s)."""
     snapshot_share: float = 0.1
     """Timed commits take at most about this share of a drain's time (``SnapshotPolicy.max_share``; 1: off)."""
     snapshot_idle_s: float | None = None
@@ -115,6 +123,8 @@ class WorkerSettings:
             raise ConfigError(f"STABILITY_SNAPSHOT_S must be >= 0, got {self.snapshot_s}")
         if self.snapshot_n < 1:
             raise ConfigError(f"STABILITY_SNAPSHOT_N must be >= 1, got {self.snapshot_n}")
+        if self.snapshot_rank_n < 1:
+            raise ConfigError(f"STABILITY_SNAPSHOT_RANK_N must be >= 1, got {self.snapshot_rank_n}")
         if not 0 < self.snapshot_share <= 1:
             raise ConfigError(f"STABILITY_SNAPSHOT_SHARE must be in (0, 1], got {self.snapshot_share}")
         if self.snapshot_idle_s is not None and self.snapshot_idle_s < 0:
@@ -171,6 +181,7 @@ class WorkerSettings:
             drain_s=get("STABILITY_DRAIN_S", float, 20.0),
             snapshot_s=get("STABILITY_SNAPSHOT_S", float, 5.0),
             snapshot_n=int(get("STABILITY_SNAPSHOT_N", int, 5_000)),
+            snapshot_rank_n=int(get("STABILITY_SNAPSHOT_RANK_N", int, 20)),
             snapshot_share=get("STABILITY_SNAPSHOT_SHARE", float, 0.1),
             snapshot_idle_s=get("STABILITY_SNAPSHOT_IDLE_S", float, -1.0) if env.get("STABILITY_SNAPSHOT_IDLE_S")
             else None,

@@ -140,13 +140,19 @@ class SnapshotPolicy:
     small, and with per-rank snapshots it costs only the ranks that changed."""
     max_share: float = 0.1
     """Timed commits take at most about this share of a drain's time: with ``every_s`` > 0, a commit is put off until
-    ``1 / max_share`` times the last commit's duration has passed since it (at most ``max_every_s``;
+    the drain has spent ``1 / max_share - 1`` times the last commit's duration reading and processing batches since
+    it (its busy time, not wall time; at most ``max_every_s`` of wall time;
     ``every_records`` still commits, and ``every_s`` = 0 commits after every batch). A shard of 1,024 ranks at one
     step per 10 s re-saved half its ranks' detector state every 5 s, one rank state per record: ~40 % of the
     worker's time (16,384-rank load test, py-spy). Waiting longer saves each changed rank once for more of its
     records. 1: off."""
     max_every_s: float = 120.0
-    """The longest ``max_share`` may put a commit off (it bounds the entries a recovering drain re-processes)."""
+    """The longest ``max_share`` or ``rank_records`` may put a commit off (it bounds the entries a recovering drain
+    re-processes)."""
+    rank_records: int = 1
+    """A commit by ``every_records`` also waits until this many entries per rank that moved were processed since the
+    last commit (a commit packs the state of every rank that moved: a shard of 1,024 ranks at one step per 10 s
+    packed a rank state for every 5 records with ``every_records`` 5,000). 1: ``every_records`` alone."""
 
     def __post_init__(self) -> None:
         if self.every_s < 0:
@@ -159,6 +165,8 @@ class SnapshotPolicy:
             raise ConfigError(f"max_share must be in (0, 1], got {self.max_share}")
         if self.max_every_s < 0:
             raise ConfigError(f"max_every_s must be >= 0, got {self.max_every_s}")
+        if self.rank_records < 1:
+            raise ConfigError(f"rank_records must be >= 1, got {self.rank_records}")
 
 
 class Diagnoser(Protocol):
@@ -223,6 +231,8 @@ class _Context:
     committed_at: float = field(default_factory=time.monotonic)
     commit_s: float = 0.0
     """How long this context's last commit took (``SnapshotPolicy.max_share``; 0 until it committed once)."""
+    busy_s: float = 0.0
+    """Time spent reading and processing batches since the last commit (``SnapshotPolicy.max_share``)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """What a subclass keeps with the context (a shard's summary watermark)."""
     ranks: list[int] | None = None
@@ -399,6 +409,7 @@ class Drainer:
         ended = False
         """Every rank had ended before the last batch was read (an emitter marks the end after its last XADD)."""
         while True:
+            started = time.monotonic()
             self._renew(token)
             ranks = self._ranks(ctx)
             self._before_batch(ctx)
@@ -408,6 +419,7 @@ class Drainer:
                 if batch.acks or batch.findings:
                     for sink in self.sinks:
                         sink.emit(self.run_id, batch.findings, batch.entries)
+            ctx.busy_s += time.monotonic() - started
             if not batch.acks:
                 result.findings += batch.findings
                 if not ended and self._all_ended(ranks):
@@ -437,13 +449,20 @@ class Drainer:
         if not ctx.since_commit:
             return False
         policy = self.snapshot
+        elapsed = time.monotonic() - ctx.committed_at
+        if ctx.since_commit >= policy.every_records and (
+                ctx.since_commit >= policy.rank_records * len(ctx.unacked) or elapsed >= policy.max_every_s):
+            return True
         every_s = policy.every_s
         if idle and policy.idle_s is not None:
             every_s = min(every_s, policy.idle_s)
-        if every_s > 0 and policy.max_share < 1:  # a long last commit puts the next timed one off (each changed
-            # rank is then saved for more of its records)
-            every_s = max(every_s, min(ctx.commit_s / policy.max_share, policy.max_every_s))
-        return ctx.since_commit >= policy.every_records or time.monotonic() - ctx.committed_at >= every_s
+        if every_s > 0 and policy.max_share < 1:
+            # a long last commit puts the next timed one off, measured in this drain's own busy time (a worker
+            # that drains many shards gives each a slice of its time: in wall time a shard's commits could take
+            # most of its slice); each changed rank is then saved for more of its records
+            return elapsed >= every_s and (ctx.busy_s >= ctx.commit_s * (1 / policy.max_share - 1)
+                                           or elapsed >= policy.max_every_s)
+        return elapsed >= every_s
 
     def _ranks(self, ctx: _Context) -> list[int]:
         """The ranks this drain reads (:func:`run_ranks`, selected again only when the rank set changed)."""
@@ -451,10 +470,11 @@ class Drainer:
         if every is not ctx.ranks:
             ctx.ranks, ctx.selected = every, self._select(every)
         ranks = ctx.selected
-        for rank in ranks:
-            if rank not in ctx.cursors:
-                self._create_group(rank)
-                self._claim_abandoned(rank)
+        new = [rank for rank in ranks if rank not in ctx.cursors]
+        if new:
+            self._create_groups(new)
+            self._claim_abandoned(new)
+            for rank in new:
                 ctx.cursors[rank] = "0"  # first re-read what this consumer has pending
         return ranks
 
@@ -496,25 +516,34 @@ class Drainer:
 
     # -- reading ---------------------------------------------------------------------------------------------
 
-    def _create_group(self, rank: int) -> None:
-        try:
-            self.client.xgroup_create(keys.records(self.run_id, rank), keys.GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+    def _create_groups(self, ranks: list[int]) -> None:
+        """The consumer group on each rank's stream (one pipelined round trip for a shard's new ranks)."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for rank in ranks:
+                pipe.xgroup_create(keys.records(self.run_id, rank), keys.GROUP, id="0", mkstream=True)
+            replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply):
+                raise reply
 
-    def _claim_abandoned(self, rank: int) -> None:
-        """Move entries pending on other consumers (idle for a lease or more) to ours."""
-        stream, start = keys.records(self.run_id, rank), "0-0"
-        while True:
-            reply = self.client.xautoclaim(
-                stream, keys.GROUP, CONSUMER, min_idle_time=self.lease_ms, start_id=start, count=self.batch
-            )
-            start = _text(reply[0])  # type: ignore[index]
-            if reply[1]:  # type: ignore[index]
-                logger.info("%s rank %d: claimed %d abandoned entries", self.run_id, rank, len(reply[1]))  # type: ignore[index]
-            if start == "0-0":
-                return
+    def _claim_abandoned(self, ranks: list[int]) -> None:
+        """Move entries pending on other consumers (idle for a lease or more) to ours (one pipelined round trip per
+        page, over every rank that has more)."""
+        starts = {rank: "0-0" for rank in ranks}
+        while starts:
+            with self.client.pipeline(transaction=False) as pipe:
+                for rank, start in starts.items():
+                    pipe.xautoclaim(keys.records(self.run_id, rank), keys.GROUP, CONSUMER,
+                                    min_idle_time=self.lease_ms, start_id=start, count=self.batch)
+                replies = pipe.execute()
+            more = {}
+            for rank, reply in zip(starts, replies, strict=True):
+                if reply[1]:
+                    logger.info("%s rank %d: claimed %d abandoned entries", self.run_id, rank, len(reply[1]))
+                start = _text(reply[0])
+                if start != "0-0":
+                    more[rank] = start
+            starts = more
 
     def _read(self, positions: dict[int, str]) -> dict[int, list[tuple[bytes, dict[bytes, bytes]]]]:
         if not positions:
@@ -623,7 +652,7 @@ class Drainer:
             result.trimmed += sum(int(t) for t in trims)
         ctx.unacked, ctx.rejects, ctx.since_commit = {}, [], 0
         ctx.committed_at = time.monotonic()
-        ctx.commit_s = ctx.committed_at - started
+        ctx.commit_s, ctx.busy_s = ctx.committed_at - started, 0.0
 
     def _finish(self, token: str, ctx: _Context, result: DrainResult) -> list[Finding]:
         findings = ctx.diag.finish()

@@ -289,7 +289,8 @@ def _diagnoser() -> Callable[[], Diagnoser]:
 
 def _snapshot_policy() -> SnapshotPolicy:
     return SnapshotPolicy(every_s=settings.snapshot_s, every_records=settings.snapshot_n,
-                          idle_s=settings.snapshot_idle_s, max_share=settings.snapshot_share)
+                          idle_s=settings.snapshot_idle_s, max_share=settings.snapshot_share,
+                          rank_records=settings.snapshot_rank_n)
 
 
 def _log(name: str, result: DrainResult) -> None:
