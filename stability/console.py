@@ -87,7 +87,7 @@ def summary_line(run_id: str, counts: Mapping[str, int], report: str | None, *, 
     total = sum(counts.get(s, 0) for s in SEVERITIES)
     counted = ", ".join(f"{counts.get(s, 0)} {s}" for s in SEVERITIES)
     noun = what if total != 1 else what[:-1]
-    ended = "done" if died is None else f"died ({_one_line(died, 160)})"
+    ended = "done" if died is None else f"died ({_short(died, 160)})"
     line = f"stability: run {run_id} {ended} · {total} {noun} ({counted})"
     if suppressed:
         line += f" · {suppressed} alert lines suppressed by the rate limit"
@@ -95,12 +95,6 @@ def summary_line(run_id: str, counts: Mapping[str, int], report: str | None, *, 
     if wandb_url:
         line += f" · W&B {wandb_url}"
     return line
-
-
-def _one_line(text: str, limit: int) -> str:
-    """``text`` on one line, cut to ``limit`` characters."""
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 class _Printer:

@@ -84,6 +84,7 @@ def adversarial(record: StepRecord) -> bool:
     value = record.signals.get("objectives", 1.0)
     return isinstance(value, (int, float)) and value > 1
 
+
 PER_MODULE_QUANTITIES: tuple[str, ...] = (
     "grad_norm",
     "param_norm",

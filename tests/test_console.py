@@ -182,5 +182,5 @@ def test_the_summary_line_says_how_a_run_died_on_one_line() -> None:
     line = summary_line("r", {"error": 1}, None, died=reason)
     assert line.startswith("stability: run r died (RuntimeError: CUDA error: an illegal memory access was encountered "
                            "CUDA kernel errors might be xxx")
-    assert "\n" not in line and "...) · 1 incident (1 error, 0 warning, 0 info) · no report" in line
+    assert "\n" not in line and "…) · 1 incident (1 error, 0 warning, 0 info) · no report" in line
     assert " done " not in line
