@@ -12,7 +12,8 @@ signal moved, lead-lag, Granger - are in :mod:`~stability.detectors.evidence`). 
   before the onset, and is a symptom of the LR (-0.2, ``lr_too_high`` named) when the LR jumped before its
   onset, or after its fitted onset while the series had not grown before the jump (an LR change is an
   intervention: it precedes everything it causes).
-* NaN -> ``numerical_nan``; ``fp16_loss_scale`` first if the loss scale collapsed (>= 4x) before it.
+* NaN -> ``numerical_nan``; ``fp16_loss_scale`` first if the loss scale collapsed (>= 4x) before it;
+  ``lr_too_high`` first if the LR jumped >= 3x above any level its schedule had at most 3 steps before it.
 * loss scale collapsing first -> ``fp16_loss_scale``.
 * a one-step jump that reverted (also a huge jump alerted at once that the next record shows reverted: the
   engine ranks the incident's headline again), or a spike with no precursor -> ``bad_batch`` (weaker when an
@@ -198,9 +199,13 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
     precursors += _recent_hints(finding, history, hints, recent, event)
     if finding.kind == "nan":
         what = f"{finding.signal} became {finding.value} at step {finding.step}"
+        raised = _lr_raised_just_before(history, t0)
         if scale is not None and scale.lead > 0:
             hints.add("fp16_loss_scale", 0.95, f"{describe(scale, event)}; then {what}")
             hints.add("numerical_nan", 0.7, what)
+        elif raised is not None:
+            hints.add("lr_too_high", 0.9, f"{raised}; then {what}", "lr")
+            hints.add("numerical_nan", 0.75, what)
         else:
             hints.add("numerical_nan", 0.95, f"{what}; no loss-scale collapse before it")
     elif finding.kind in ("loss_spike", "divergence", "grad_explosion", "activation_growth",
@@ -214,6 +219,24 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
     hints.tie_break(history, t0)
     rollback = _rollback(history, min([t0] + [m.step for m in precursors]))
     return Ranking(hints.ranked(), rollback, _skip_batches(finding, history))
+
+
+NAN_AFTER_LR = 3
+"""A NaN at most this many steps after the LR jumped (>= :data:`NAN_LR_FACTOR`, above any peak seen: not a
+scheduled restart) is blamed on the LR: the update made with it overflowed (root-causes.md triage: just after a
+schedule change). A NaN in the data comes with no LR move."""
+NAN_LR_FACTOR = 3.0
+
+
+def _lr_raised_just_before(history: History, t0: int) -> str | None:
+    """The evidence when the LR jumped out of the schedule it followed right before a NaN at ``t0``, else None."""
+    lr = history.lr
+    jump = lr.last_jump
+    if jump is None or not t0 - NAN_AFTER_LR <= jump <= t0 or lr.jump_factor < NAN_LR_FACTOR or lr.last is None:
+        return None
+    if lr.last <= lr.peak * lr.config.peak_tol:  # back to a level the schedule had (a warm restart)
+        return None
+    return f"lr raised {lr.jump_factor:.3g}x at step {jump}, {plural(t0 - jump, 'step')} before the NaN"
 
 
 def _recent_hints(finding: Finding, history: History, hints: _Hints, recent: Sequence[Finding],

@@ -163,6 +163,11 @@ def _is_compiling() -> bool:
     return _COMPILE_CHECK is not None and bool(_COMPILE_CHECK())
 
 
+def _closure_index(optimizer: torch.optim.Optimizer, args: tuple[Any, ...]) -> int:
+    """Where a step hook's ``args`` hold the closure: torch passes ``step``'s arguments with the optimizer first."""
+    return 1 if args and args[0] is optimizer else 0
+
+
 def _hook(method: Callable[Concatenate[Capture, _P], None]) -> Callable[Concatenate[Capture, _P], None]:
     """Run a hook body only while the capture is live; catch, count and log every exception."""
 
@@ -243,6 +248,10 @@ class _StepState:
     framework_losses: list[torch.Tensor] = field(default_factory=list)
     next_batch: str | None = None
     """A batch id set after a ``backward()`` of this step, before it was known to end."""
+    closure: bool = False
+    """The tracked optimizer steps with a closure (``step(closure)``)."""
+    closure_done: bool = False
+    """Its first call returned: what later calls backpropagate or run forward is left out."""
     objectives: int = 1
     """1 + the other optimizers that stepped on losses of their own in this step's window (a GAN: 2)."""
     forward_marks: tuple[dict[str, int], int] | None = None
@@ -297,6 +306,8 @@ class Capture:
         self._forward = threading.local()
         self._scaled: tuple[weakref.ref[torch.Tensor], Any] | None = None
         self._scaler_call: tuple[Any, torch.optim.Optimizer, int] | None = None
+        self._closure: Callable[..., Any] | None = None
+        """The wrapped closure :meth:`_step_pre_hook` hands to the step in progress."""
         self._meta: tuple[int, dict[str, int], str] | None = None
         self._framework: str | None = None
         self._drive_steps = False
@@ -354,11 +365,11 @@ class Capture:
         torch_patches.subscribe(self)
         self._attached = True
         if optimizer is None:
-            self._handles.append(register_optimizer_step_pre_hook(self._on_pre_step))
+            self._handles.append(register_optimizer_step_pre_hook(self._step_pre_hook))
             self._handles.append(register_optimizer_step_post_hook(self._on_post_step))
         else:
             self._optimizer = optimizer
-            self._handles.append(optimizer.register_step_pre_hook(self._on_pre_step))
+            self._handles.append(optimizer.register_step_pre_hook(self._step_pre_hook))
             self._handles.append(optimizer.register_step_post_hook(self._on_post_step))
         if model is None:
             self._discovery.append(register_module_forward_pre_hook(self._on_any_forward_pre))
@@ -477,6 +488,8 @@ class Capture:
     @_hook
     def on_backward(self, tensor: torch.Tensor) -> None:
         """``backward()`` returned for ``tensor``: keep it (detached, on device) as a loss of this step."""
+        if self._state.closure_done:  # a later call of a step(closure): a trial point, not the step's loss
+            return
         loss = tensor.detach()
         scaled = self._scaled
         if scaled is not None and scaled[0]() is tensor:
@@ -594,19 +607,63 @@ class Capture:
 
     # ------------------------------------------------------------------------------------------- torch hooks
 
+    def _step_pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The optimizer pre-step hook: :meth:`_on_pre_step`; a tracked ``step(closure)`` gets its closure wrapped
+        (torch passes the hook's returned arguments to ``step``) so the step begins after the closure's first
+        call, which is the loss and gradient at the step's starting point (see :meth:`_closure_step`)."""
+        self._on_pre_step(optimizer, args, kwargs)
+        closure, self._closure = self._closure, None
+        if closure is None:
+            return None
+        if kwargs.get("closure") is not None:
+            return args, {**kwargs, "closure": closure}
+        at = _closure_index(optimizer, args)
+        return (*args[:at], closure, *args[at + 1 :]), kwargs
+
     @_hook
     def _on_pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._drive_steps:
             return
         if self._adopt(optimizer):
-            self._begin_step(optimizer)
+            at = _closure_index(optimizer, args)
+            closure = kwargs.get("closure") or (args[at] if len(args) > at else None)
+            if callable(closure):
+                self._closure = self._closure_step(optimizer, closure)
+            else:
+                self._begin_step(optimizer)
         elif self._state.losses:  # backpropagated since the tracked step: this other optimizer's loss (a GAN's G)
             self._state.losses.clear()
             self._state.objectives += 1
 
+    def _closure_step(self, optimizer: torch.optim.Optimizer, closure: Callable[..., Any]) -> Callable[..., Any]:
+        """``closure``, wrapped: after its first call the step begins (gradients measured, parameters snapshotted,
+        which the optimizer has not changed yet), and the losses, activations and logits of its later calls (LBFGS
+        evaluates up to ``max_iter`` trial points per step) are left out. The step's loss is thus the one
+        ``LBFGS.step`` returns. A closure the optimizer never calls: the step begins at the post-step hook."""
+        state = self._state
+        state.closure = True
+
+        def closure_seen_by_stability(*args: Any, **kwargs: Any) -> Any:
+            result = closure(*args, **kwargs)
+            if state is self._state and not state.closure_done:
+                self._after_first_closure(optimizer, state)
+            return result
+
+        return closure_seen_by_stability
+
+    @_hook
+    def _after_first_closure(self, optimizer: torch.optim.Optimizer, state: _StepState) -> None:
+        state.closure_done = True
+        self._begin_step(optimizer)
+
     @_hook
     def _on_post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._drive_steps and optimizer is self._optimizer:
+            state = self._state
+            if state.closure and not state.closure_done:
+                state.closure_done = True
+                self._begin_step(optimizer)
             self._finish_step(optimizer, skipped=None)
 
     @_hook
@@ -633,14 +690,14 @@ class Capture:
 
     @_hook
     def _on_activation(self, name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self._state.closure_done:
             x = stats.first_float_tensor(output)
             if x is not None:
                 self._state.acts.setdefault(name, []).append(stats.activation_stats(x))
 
     @_hook
     def _on_model_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self._state.closure_done:
             logits = stats.logits_of(output)
             if logits is not None:
                 self._state.logit_z.append(stats.logit_z(logits))
@@ -1147,6 +1204,10 @@ class Capture:
         if count >= MAX_ERRORS and not self._disabled:
             self._disabled = True
             logger.warning("stability: %d errors in capture hooks; capture disabled for the rest of the run", count)
+            try:  # no steps are recorded any more: the watchdog would report a hang
+                self._perf.close()
+            except Exception:
+                logger.debug("stability: stopping the watchdog failed", exc_info=True)
 
 
 def _forward_tail(state: _StepState) -> tuple[dict[str, list[stats.ActStat]], list[torch.Tensor]]:

@@ -62,6 +62,23 @@ def host_reads_free(device: torch.device) -> bool:
     return device.type == "cpu" and CPU_READS_FREE
 
 
+def foreach_norm(tensors: Sequence[torch.Tensor], ord: float, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``torch._foreach_norm(tensors, ord, dtype=dtype)``, also for tensors wider than ``dtype`` (a float64 model
+    under a float32 result: torch refuses the narrowing, so those are normed in their own dtype and cast)."""
+    wide = [i for i, t in enumerate(tensors) if t.dtype.itemsize > dtype.itemsize]
+    if not wide:
+        return list(torch._foreach_norm(tensors, ord, dtype=dtype))  # type: ignore[misc,arg-type]
+    narrow = [i for i, t in enumerate(tensors) if t.dtype.itemsize <= dtype.itemsize]
+    norms: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    for i, n in zip(wide, torch._foreach_norm([tensors[i] for i in wide], ord), strict=True):  # type: ignore[misc]
+        norms[i] = n.to(dtype)
+    if narrow:
+        values = torch._foreach_norm([tensors[i] for i in narrow], ord, dtype=dtype)  # type: ignore[misc,arg-type]
+        for i, n in zip(narrow, values, strict=True):
+            norms[i] = n
+    return norms
+
+
 def tensor_norms(tensors: Sequence[torch.Tensor | None], out: torch.device, ord: float = 2.0) -> torch.Tensor:
     """Per-tensor norms as one float32 vector on ``out``; a missing tensor (None) gets 0.
 
@@ -74,14 +91,14 @@ def tensor_norms(tensors: Sequence[torch.Tensor | None], out: torch.device, ord:
         A float32 vector of ``len(tensors)`` norms.
     """
     if tensors and all(t is not None and t.device == out for t in tensors):  # the usual case: one fused pass
-        return torch.stack(torch._foreach_norm(tensors, ord, dtype=torch.float32))  # type: ignore[misc,arg-type]
+        return torch.stack(foreach_norm(tensors, ord, torch.float32))  # type: ignore[arg-type]
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         if t is not None:
             by_device.setdefault(t.device, []).append(i)
     norms: list[torch.Tensor | None] = [None] * len(tensors)
     for device, idx in by_device.items():
-        values = torch._foreach_norm([tensors[i] for i in idx], ord, dtype=torch.float32)  # type: ignore[misc]
+        values = foreach_norm([tensors[i] for i in idx], ord, torch.float32)  # type: ignore[misc]
         for i, v in zip(idx, values, strict=True):
             norms[i] = v if device == out else v.to(out, non_blocking=True)
     if not norms:
@@ -136,7 +153,7 @@ def _count_chunk(chunk: list[torch.Tensor], out: torch.device) -> torch.Tensor:
     for device, tensors in by_device.items():
         zeros = torch._foreach_mul(tensors, 0.0)  # 0 where finite, NaN where NaN/Inf
         big = device.type != "mps" and any(t.numel() > _FLOAT32_EXACT for t in tensors)
-        counts = torch._foreach_norm(zeros, 0, dtype=torch.float64 if big else torch.float32)  # type: ignore[misc]
+        counts = foreach_norm(zeros, 0, torch.float64 if big else torch.float32)
         parts.append(torch.stack(counts).sum().to(out, dtype=torch.int64, non_blocking=True))
     return torch.stack(parts).sum()
 
@@ -257,7 +274,8 @@ def activation_stats(x: torch.Tensor) -> ActStat:
         flat = x.view(-1)
         sum_sq = torch.dot(flat, flat)
     else:
-        sum_sq = torch.linalg.vector_norm(x, 2, dtype=torch.float32).square()
+        wide = x.dtype.itemsize > 4  # float64: torch refuses a narrowing dtype
+        sum_sq = torch.linalg.vector_norm(x, 2, dtype=None if wide else torch.float32).square().to(torch.float32)
     return ActStat(low, high, sum_sq, numel)
 
 

@@ -654,3 +654,108 @@ def test_a_negative_loss_is_said_once_in_the_console(caplog):
     assert [r.get("loss") < 0 for r in sink.records] == [False, False, True, True, True, True]
     said = [r.getMessage() for r in caplog.records if "loss is negative" in r.getMessage()]
     assert len(said) == 1 and "at step 2" in said[0] and "skip such values" in said[0], said
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_lbfgs_closure_step_records_the_first_evaluation_only(auto):
+    """``LBFGS.step(closure)`` calls the closure up to ``max_iter`` times per step: the step's loss is the first
+    call's (what ``step`` returns), its gradients those of that call, not the sum of ~20 trial points'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.8, max_iter=5)
+    x, y = torch.randn(256, 6, dtype=torch.double), torch.randn(256, 1, dtype=torch.double)  # noise: no exact fit
+    sink = ListSink()
+    config = WatchConfig(run_id="lbfgs", stats_every=1, max_act_modules=10)
+    capture = Capture(config, sink).attach() if auto else Capture(config, sink).attach(model, opt)
+    want = []
+    try:
+        for _ in range(4):
+            calls: list[tuple[float, float, float]] = []
+
+            def closure(calls=calls):
+                opt.zero_grad()
+                out = model(x)
+                loss = F.mse_loss(out, y)
+                loss.backward()
+                grad = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+                calls.append((loss.item(), grad.item(), out.detach().abs().max().item()))
+                return loss
+
+            before = {p: p.detach().clone() for p in model.parameters()}
+            returned = opt.step(closure)
+            delta = by_module(model, lambda p, before=before: p.detach() - before[p])
+            size = by_module(model, lambda p, before=before: before[p])
+            assert len(calls) == 5 and returned.item() == calls[0][0]
+            want.append((calls[0], {n: delta[n] / size[n] for n in delta}))
+    finally:
+        capture.close()
+    assert capture.errors == 0
+    assert [r.step for r in sink.records] == [0, 1, 2, 3]
+    for record, ((loss, grad, out_max), ratio) in zip(sink.records, want, strict=True):
+        assert record.get("micro_batches") == 1
+        assert record.get("loss") == pytest.approx(loss, rel=1e-6)
+        assert record.get("grad_norm") == pytest.approx(grad, rel=1e-6)
+        assert_close(per_module(record, "update_ratio"), ratio, rel=1e-4)  # over the whole step's update
+        if record.step or not auto:  # auto mode finds the model in step 0, so no activation hooks then
+            assert record.get("act_absmax/2") == pytest.approx(out_max, rel=1e-6)  # the first call's output only
+
+
+def test_a_closure_on_an_ordinary_optimizer_is_called_once_and_recorded_as_without_one():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="closure-sgd", stats_every=1), sink).attach()
+    want = []
+    try:
+        for step in range(3):
+            x, y = torch.randn(4, 8), torch.randn(4, 1)
+
+            def closure(x=x, y=y):
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                want.append((loss.item(), torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()))
+                return loss
+
+            opt.step(closure=closure) if step % 2 else opt.step(closure)  # keyword and positional
+    finally:
+        capture.close()
+    assert capture.errors == 0
+    assert [(r.get("loss"), r.get("grad_norm")) for r in sink.records] == [
+        (pytest.approx(loss, rel=1e-6), pytest.approx(grad, rel=1e-6)) for loss, grad in want
+    ]
+
+
+def test_a_float64_model_is_captured_with_every_signal():
+    """Double-precision models (scientific ML, the LBFGS examples): torch refuses a float32 norm of a float64
+    tensor, which once made every hook fail and the capture turn itself off."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).double()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="f64", stats_every=1, max_act_modules=10), sink).attach(model, opt)
+    want = []
+    try:
+        for step in range(4):
+            x = torch.randn(16, 8, dtype=torch.double)
+            if step == 3:
+                x[0, 0] = float("nan")
+            out = model(x)
+            loss = out.square().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e3)
+            want.append((loss.item(), by_module(model, lambda p: p.grad), float(out.detach().abs().max())))
+            opt.step()
+            opt.zero_grad()
+    finally:
+        capture.close()
+    assert capture.errors == 0
+    for record, (loss, grads, out_max) in zip(sink.records[:3], want[:3], strict=True):
+        assert record.get("loss") == pytest.approx(loss, rel=1e-6)
+        assert_close(per_module(record, "grad_norm"), grads)
+        assert record.get("act_absmax/2") == pytest.approx(out_max, rel=1e-6)
+        assert {"update_ratio/0", "param_norm/2"} <= set(record.signals)
+        assert record.get("nonfinite_grads") == 0
+    last = sink.records[3]
+    assert math.isnan(last.get("loss")) and math.isnan(last.get("grad_norm")) and last.get("nonfinite_grads") > 0

@@ -363,15 +363,17 @@ def test_odd_module_outputs_are_skipped_and_a_raising_output_is_contained():
     assert "logit_z" not in records[0].signals
 
 
-def test_too_many_errors_disable_the_capture_with_one_warning(caplog):
+def test_too_many_errors_disable_the_capture_with_one_warning(caplog, tmp_path):
     sink = RaisingSink()
     model = tiny_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    capture = Capture(WatchConfig(run_id="many"), sink).attach()
+    capture = Capture(WatchConfig(run_id="many", run_dir=tmp_path), sink).attach()
     with caplog.at_level(logging.WARNING, logger="stability.hooks.capture"):
         for _ in range(MAX_ERRORS + 5):
             train(model, opt, 1)
             capture.flush()
+    watchdog = capture._perf.watchdog
+    assert watchdog is not None and watchdog._stop.is_set()  # no steps any more: no hang to report
     capture.close()
     assert capture.errors == MAX_ERRORS
     assert capture.step == MAX_ERRORS  # no further steps once disabled

@@ -149,6 +149,33 @@ def test_nan_from_nothing_is_numerical() -> None:
     assert "no loss-scale collapse" in nan.causes[0].evidence
 
 
+def test_nan_right_after_an_lr_jump_is_the_lr_but_not_after_a_warm_restart_or_long_after() -> None:
+    """An LR raised 100x one step before a NaN (tests/scripts/time_seq.py: LBFGS's first update overflows); the
+    same NaN 20 steps after the jump, or after a warm restart back to the schedule's peak, is numerical."""
+    s = base()
+    s["lr"][499:] *= 100.0
+    s["loss"][500:] = np.nan
+    alerts, _ = diagnose(s, steps=502)
+    nan = next(a for a in alerts if a.kind == "nan")
+    assert nan.step == 500 and nan.causes[0].cause == "lr_too_high"
+    assert "lr raised 100x at step 499, 1 step before the NaN" in nan.causes[0].evidence
+    assert nan.causes[1].cause == "numerical_nan"
+
+    late = base()
+    late["lr"][480:] *= 100.0
+    late["loss"][480:] = late["loss"][479]  # the loss does not move (no other finding)
+    late["loss"][500] = np.nan
+    alerts, _ = diagnose(late, steps=502)
+    assert next(a for a in alerts if a.kind == "nan").causes[0].cause == "numerical_nan"
+
+    restart = base()
+    cycle = 1e-3 * 0.5 * (1 + np.cos(np.pi * (np.arange(N) % 250) / 250))  # SGDR: back to the peak every 250
+    restart["lr"] = np.maximum(cycle, 1e-6)
+    restart["loss"][501] = np.nan
+    alerts, _ = diagnose(restart, steps=503)
+    assert next(a for a in alerts if a.kind == "nan").causes[0].cause == "numerical_nan"
+
+
 def test_adam_second_moment_jump_before_the_spike() -> None:
     s = base()
     s["adam_v_ratio/h.0.attn"] = np.exp(np.random.default_rng(5).normal(0, 0.05, N))

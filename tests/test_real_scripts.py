@@ -13,6 +13,8 @@ be found with the right kind at the step they were injected.
   generator's ``errG.backward()`` runs between two discriminator steps and must not count in its loss; the losses
   of the two networks swing against each other by design. BCELoss refuses a NaN input: the NaN fault kills the
   script, which must be recorded as died at its last step with the reason.
+* ``time_seq.py`` (pytorch/examples time_sequence_prediction): a float64 LSTM trained with ``LBFGS.step(closure)``,
+  whose closure runs up to 20 times a step: the step's loss is the first call's, not the sum of the trial points'.
 * ``mnist.py`` (pytorch/examples mnist): a CNN with dropout, ``Adadelta(lr=1.0)``, ``StepLR`` stepped per epoch
   (the LR drops 0.7x every 50 steps), and a training loss that reaches 1e-3-1e-2 where single batches lift it
   10x: the heavy-tailed regime a clean run must not alarm on.
@@ -242,3 +244,37 @@ def test_dcgan_killed_by_its_own_nan_is_recorded_as_died_at_its_last_step(tmp_pa
     summary = [line for line in run.proc.stderr.splitlines() if line.startswith("stability: run ")][-1]
     assert " died (RuntimeError: all elements of input should be between 0 and 1) · " in summary, summary
     assert run.serious() == [], run.serious()
+
+
+# -------------------------------------------------------- time sequence prediction (float64, LBFGS step(closure))
+
+TIME_SEQ = Script("time_seq.py", 30)
+
+
+def test_time_seq_lbfgs_records_the_loss_lbfgs_returns_and_raises_nothing(tmp_path: Path) -> None:
+    log = tmp_path / "losses.txt"
+    run = _run(tmp_path, TIME_SEQ, "none", "--loss-log", str(log))
+    _assert_captured(run, TIME_SEQ)
+    lines = (line.split() for line in log.read_text().splitlines())
+    calls = {int(step): (float(loss), int(n)) for step, loss, n in lines}
+    assert sum(n for _, n in calls.values()) > 3 * TIME_SEQ.steps  # LBFGS evaluated many trial points per step
+    for record in run.records:  # the first closure call's loss (at the step's start), as LBFGS.step returns it
+        assert record.get("micro_batches") == 1, record.step
+        assert record.get("loss") == pytest.approx(calls[record.step][0], rel=1e-6), record.step
+    assert "update_ratio/lstm1" in run.records[0].signals
+    assert _stability_warnings(run.proc.stderr) == []  # float64: no hook error, no capture turned off
+    assert run.serious() == [], run.serious()
+
+
+def test_time_seq_lr_jump_that_ends_in_nan_names_the_lr(tmp_path: Path) -> None:
+    run = _run(tmp_path, TIME_SEQ, "lr")
+    assert len(run.records) == TIME_SEQ.steps
+    nans = [e for e in run.events if e["kind"] == "nan"]  # LBFGS's first update at 100x the LR overflows
+    assert nans and TIME_SEQ.fault_step <= nans[0]["onset"] <= TIME_SEQ.fault_step + 2, run.events
+    assert nans[0]["causes"][0]["cause"] == "lr_too_high", nans[0]
+    assert [e for e in run.serious() if e["onset"] < TIME_SEQ.fault_step] == []
+
+
+def test_time_seq_nan_in_the_data_is_numerical(tmp_path: Path) -> None:
+    run = _run(tmp_path, TIME_SEQ, "nan")
+    _assert_found(run, TIME_SEQ, "nan")
