@@ -85,6 +85,14 @@ __all__ = ["DiagnoserConfig", "Incident", "RankFetch", "RunDiagnoser", "Verdicts
 
 logger = logging.getLogger(__name__)
 
+SIGNED_LOSS_DETECTORS = frozenset({"spike", "divergence", "plateau"})
+"""Detectors (by name) that read the loss on a log scale: a rank whose loss went negative no longer feeds them."""
+SIGNED_HOLD = 8
+"""The loss detectors' findings in a rank's first this many records are alerted only after them (a REINFORCE
+loss is negative in about every other episode: its first swings must not be alerted as spikes)."""
+SIGNED_EARLY = 32
+"""A loss negative within this many records was signed from the start (the spike detector's ``min_points``)."""
+
 KIND_PRIORITY = ("rank_disagreement", "nan", "loss_spike", "divergence", "grad_explosion", "loss_scale_collapse",
                  "lr_off_schedule", "grad_vanishing", "attention_logit_growth", "logit_divergence", "activation_growth",
                  "update_ratio_jump", "adam_v_lag", "plateau")
@@ -239,8 +247,14 @@ class _RankSuite:
         """Host of the rank (from its latest record); every finding of the rank names it."""
         self.incident_record = -1
         """Value of ``records`` at the open incident's last finding."""
+        self.perf_record = -1
+        """The same for the open performance incident (slowdown, hang: :data:`PERF_KINDS`)."""
         self.scale: float | None = None
         """The rank's last recorded fp16 loss scale (a fall marks a skipped step)."""
+        self.signed: int | None = None
+        """Step of the rank's first negative loss: a signed objective (see :data:`SIGNED_LOSS_DETECTORS`)."""
+        self.judging = self.detectors
+        """The detectors fed each record: all of them, less the loss-scale ones once the loss is signed."""
 
     def step_view(self, record: StepRecord) -> StepRecord:
         """What the baselines may see of ``record``: without its gradient statistics on a step the fp16 scaler
@@ -254,8 +268,9 @@ class _RankSuite:
     def state_dict(self) -> dict[str, Any]:
         return {"detectors": {d.name: d.state_dict() for d in self.detectors}, "history": self.history.state_dict(),
                 "last_alert": {k: list(v) for k, v in self.last_alert.items()}, "last_step": self.last_step,
-                "records": self.records, "incident_record": self.incident_record, "host": self.host,
-                "scale": self.scale}
+                "records": self.records, "incident_record": self.incident_record, "perf_record": self.perf_record,
+                "host": self.host,
+                "scale": self.scale, "signed": self.signed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for detector in self.detectors:
@@ -266,9 +281,18 @@ class _RankSuite:
         self.last_step = int(state.get("last_step", -1))
         self.records = int(state.get("records", 0))
         self.incident_record = int(state.get("incident_record", -1))
+        self.perf_record = int(state.get("perf_record", -1))
         self.host = str(state.get("host", ""))
         scale = state.get("scale")
         self.scale = None if scale is None else float(scale)
+        signed = state.get("signed")
+        self.sign_loss(None if signed is None else int(signed))
+
+    def sign_loss(self, step: int | None) -> None:
+        """The loss took a negative value at ``step``: stop feeding the detectors that read it on a log scale."""
+        self.signed = step
+        self.judging = self.detectors if step is None else [
+            d for d in self.detectors if d.name not in SIGNED_LOSS_DETECTORS]
 
 
 class RunDiagnoser:
@@ -348,7 +372,9 @@ class RunDiagnoser:
         view = suite.step_view(record)
         suite.history.push(view)
         found: list[Finding] = []
-        for detector in suite.detectors:
+        if suite.signed is None and record.signals.get("loss", 0.0) < 0:
+            self._signed_loss(suite, record)
+        for detector in suite.judging:
             found.extend(detector.update(record if detector.name in SEES_SKIPPED_STEPS else view))
         decided = self._crossrank.update(record) if self._verdicts is None else []
         decided += [f for d in self._fleet for f in d.update(record)]
@@ -390,9 +416,9 @@ class RunDiagnoser:
         over = len(self._held) - cfg.max_held
         for i, (rank, finding, since) in enumerate(self._held):
             serious = finding.severity in (Severity.WARNING, Severity.ERROR) and not finding.evidence.get("closes")
-            hold = not flush and i >= over and (rank in waiting or (
-                serious and finding.step > complete and newest - finding.step < cfg.hold_steps
-                and since >= wait_until))
+            hold = not flush and i >= over and (rank in waiting or (serious and ((
+                finding.step > complete and newest - finding.step < cfg.hold_steps and since >= wait_until)
+                or self._unsure_of_sign(rank, finding))))
             if hold:
                 waiting.add(rank)
                 keep.append((rank, finding, since))
@@ -417,7 +443,7 @@ class RunDiagnoser:
         out = self._release(flush=True)
         for rank, suite in sorted(self._ranks.items()):
             found: list[Finding] = []
-            for detector in suite.detectors:
+            for detector in suite.judging:
                 flush = getattr(detector, "finish", None)
                 if flush is not None:
                     found.extend(flush())
@@ -426,6 +452,37 @@ class RunDiagnoser:
             for finding in self._crossrank.finish():
                 out += self._fuse(self._suite(finding.rank), finding.rank, [finding])
         return out
+
+    def _unsure_of_sign(self, rank: int, finding: Finding) -> bool:
+        """A loss detector's finding in a rank's first :data:`SIGNED_HOLD` records waits for them: a loss that
+        goes negative among them is a signed objective and the finding is demoted (:meth:`_signed_loss`)."""
+        if finding.detector not in SIGNED_LOSS_DETECTORS:
+            return False
+        suite = self._ranks.get(rank)
+        return suite is not None and suite.signed is None and suite.records < SIGNED_HOLD
+
+    def _signed_loss(self, suite: _RankSuite, record: StepRecord) -> None:
+        """The rank's loss went negative: a signed objective (a policy-gradient surrogate, a WGAN critic, a
+        log-density), which the loss-spike, divergence and plateau detectors cannot judge on their log scale. They
+        stop for the rest of the run. When it happened within the first :data:`SIGNED_EARLY` records the loss was
+        signed from the start: what those detectors said about it before (a REINFORCE loss swings 10x between
+        episodes) is kept as INFO with the reason."""
+        suite.sign_loss(record.step)
+        if suite.records > SIGNED_EARLY:
+            return
+        note = (f"; not judged: the loss turned negative at step {record.step} (a signed objective, e.g. a policy "
+                "gradient), so its ratios mean nothing")
+
+        def demoted(finding: Finding) -> Finding:
+            if finding.detector not in SIGNED_LOSS_DETECTORS or finding.severity is Severity.INFO:
+                return finding
+            return dataclasses.replace(finding, severity=Severity.INFO, message=finding.message + note,
+                                       evidence={**finding.evidence, "signed_loss": float(record.step)})
+
+        for incident in self._incidents:
+            if incident.rank == record.rank:
+                incident.findings[:] = [demoted(f) for f in incident.findings]
+        self._held = [(rank, demoted(f) if rank == record.rank else f, since) for rank, f, since in self._held]
 
     def _fuse(self, suite: _RankSuite, rank: int, found: list[Finding]) -> list[Finding]:
         alerts: list[Finding] = []
@@ -455,12 +512,17 @@ class RunDiagnoser:
         """Add ``finding`` to an incident; True when it must be alerted."""
         cfg = self.config
         incident = self._open.get(_open_key(rank, finding))
+        perf = finding.kind in PERF_KINDS  # its own incidents: a slowdown keeps no loss incident open
+        last_record = suite.perf_record if perf else suite.incident_record
         last = suite.last_alert.get(finding.kind)
         cooled = last is not None and finding.step - last[0] < cfg.cooldown_steps and last[1] >= finding.severity.rank
         gap = finding.step - incident.last_step if incident is not None else cfg.cooldown_steps + 1
         near = gap <= cfg.fuse_steps or (gap <= cfg.cooldown_steps
-                                          and suite.records - suite.incident_record <= cfg.fuse_records)
-        suite.incident_record = suite.records
+                                          and suite.records - last_record <= cfg.fuse_records)
+        if perf:
+            suite.perf_record = suite.records
+        else:
+            suite.incident_record = suite.records
         if incident is not None and (near or cooled):
             new_machine = finding.kind == "rank_disagreement" and finding.kind not in incident.kinds
             head = incident.headline

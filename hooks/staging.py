@@ -219,7 +219,8 @@ class Reader:
         if isinstance(loss, float) and loss < 0:
             self._negative_loss_said = True
             logger.warning(
-                "stability: the loss is negative (%.4g at step %d): the loss-spike, divergence and plateau detectors "
-                "read the loss on a log scale and skip such values; gradient, NaN, update-ratio and the other "
-                "detectors still watch the run (observe a positive loss with handle.observe('loss', value))",
+                "stability: the loss is negative (%.4g at step %d): a signed objective, which the loss-spike, "
+                "divergence and plateau detectors (log scale) stop judging from here on; gradient, NaN, update-ratio "
+                "and the other detectors still watch the run (observe a positive loss with handle.observe('loss', "
+                "value))",
                 loss, record.step)

@@ -216,6 +216,67 @@ def test_state_round_trip_mid_stream_gives_identical_findings(split: int) -> Non
     assert _events(second)[-2:] == _events(full)[-2:]
 
 
+def test_a_loss_signed_from_the_start_is_not_judged_and_its_early_alarm_is_demoted() -> None:
+    """A REINFORCE loss (tests/scripts/reinforce.py): zero-centred, 10x swings between episodes, negative about
+    half the time. The first negative one (record 7 here) stops the log-scale loss detectors; the loss spike they
+    raised at step 3 is kept as INFO with the reason; a NaN and the gradients are still watched."""
+    rng = np.random.default_rng(3)
+    loss = rng.normal(0.0, 1.0, 400) * np.linspace(1, 6, 400)
+    loss[:8] = [0.1, 2.5, 1.3, 0.9, 0.9, 1.4, 0.8, -0.4]  # the run's real start: a "spike" on a 2-point baseline
+    grad = np.exp(rng.normal(3.5, 0.3, 400))
+    grad[300:] *= 200.0  # still an explosion
+    loss[350] = np.nan
+    alerts, diag = run(records(loss, grad))
+    findings = [f for i in diag.incidents for f in i.findings]
+    early = [f for f in findings if f.kind == "loss_spike"]
+    assert early and all(f.severity is Severity.INFO and f.step < 8 for f in early), early
+    assert all(f.evidence["signed_loss"] == 7 and "turned negative at step 7" in f.message for f in early)
+    assert not [f for f in findings if f.detector in ("spike", "divergence", "plateau") and f.step >= 7]
+    assert {"grad_explosion", "nan"} <= {f.kind for f in findings if f.severity is not Severity.INFO}
+    blob = msgpack.packb(diag.state_dict(), use_bin_type=True)
+    again = RunDiagnoser()
+    again.load_state_dict(msgpack.unpackb(blob, raw=False))
+    assert diag.state_dict()["ranks"]["0"]["signed"] == 7
+    assert again.state_dict()["ranks"]["0"]["signed"] == 7  # the latch is kept
+    more = [StepRecord(run_id="synthetic", step=400 + i, signals={"loss": 50.0}) for i in range(5)]
+    assert not [a for r in more for a in again.update(r)]  # a 10x "spike" after the reload: still not judged
+
+
+def test_a_loss_that_turns_negative_late_keeps_what_was_found_before() -> None:
+    """A log-density that crosses zero late (a flow's NLL): the spike found while it was positive stays an error."""
+    loss, grad = curve(600)
+    loss[300:303] *= 2.0
+    loss[500:] = -np.abs(loss[500:])
+    alerts, diag = run(records(loss, grad))
+    spike = [f for i in diag.incidents for f in i.findings if f.kind == "loss_spike" and f.step >= 300]
+    assert spike and spike[0].severity is not Severity.INFO and "signed_loss" not in spike[0].evidence
+
+
+def test_a_slowdown_between_two_loss_events_does_not_fuse_them() -> None:
+    """A performance finding joins the rank's performance incident; it must not keep the loss incident open (a
+    slowdown at step 89 once made an LR jump at step 90 join a loss incident of step 3)."""
+    from stability.detectors.base import Finding
+
+    diag = RunDiagnoser()
+    loss, grad = curve(120)
+    for r in records(loss[:90], grad[:90]):
+        diag.update(r)
+    suite = diag._suite(0)
+
+    def finding(kind: str, step: int, detector: str) -> Finding:
+        return Finding(kind=kind, step=step, onset=step, severity=Severity.WARNING, signal="loss", value=1.0,
+                       message=kind, detector=detector)
+
+    suite.records = 3
+    diag._fuse(suite, 0, [finding("loss_spike", 3, "spike")])
+    suite.records = 89
+    diag._fuse(suite, 0, [finding("slowdown", 89, "steptime")])
+    suite.records = 90
+    diag._fuse(suite, 0, [finding("lr_off_schedule", 90, "schedule")])
+    assert [[f.kind for f in i.findings] for i in diag.incidents] == [["loss_spike"], ["slowdown"],
+                                                                      ["lr_off_schedule"]]
+
+
 def test_state_is_compact() -> None:
     rng = np.random.default_rng(1)
     diag = RunDiagnoser()

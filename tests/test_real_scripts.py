@@ -15,6 +15,8 @@ be found with the right kind at the step they were injected.
   script, which must be recorded as died at its last step with the reason.
 * ``time_seq.py`` (pytorch/examples time_sequence_prediction): a float64 LSTM trained with ``LBFGS.step(closure)``,
   whose closure runs up to 20 times a step: the step's loss is the first call's, not the sum of the trial points'.
+* ``reinforce.py`` (pytorch/examples reinforcement_learning): REINFORCE, one Adam step per cart-pole episode; the
+  loss is a signed surrogate that swings 10x between episodes: not judged by the loss detectors once negative.
 * ``mnist.py`` (pytorch/examples mnist): a CNN with dropout, ``Adadelta(lr=1.0)``, ``StepLR`` stepped per epoch
   (the LR drops 0.7x every 50 steps), and a training loss that reaches 1e-3-1e-2 where single batches lift it
   10x: the heavy-tailed regime a clean run must not alarm on.
@@ -278,3 +280,32 @@ def test_time_seq_lr_jump_that_ends_in_nan_names_the_lr(tmp_path: Path) -> None:
 def test_time_seq_nan_in_the_data_is_numerical(tmp_path: Path) -> None:
     run = _run(tmp_path, TIME_SEQ, "nan")
     _assert_found(run, TIME_SEQ, "nan")
+
+
+# ------------------------------------------------------------------------- REINFORCE (a signed, swinging loss)
+
+REINFORCE = Script("reinforce.py", 150)
+
+
+def test_reinforce_signed_loss_raises_nothing_and_says_why_once(tmp_path: Path) -> None:
+    run = _run(tmp_path, REINFORCE, "none")
+    _assert_captured(run, REINFORCE)
+    losses = [r.get("loss") for r in run.records]
+    assert min(losses) < -1 and max(losses) > 1  # both signs, large swings
+    said = _stability_warnings(run.proc.stderr)
+    assert len(said) == 1 and "the loss is negative" in said[0] and "stop judging" in said[0], said
+    assert run.serious() == [], run.serious()  # the early "spike" on a 2-point baseline is kept as INFO
+    early = [e for e in run.events if e["kind"] == "loss_spike"]
+    assert all(e["severity"] == "info" and e["onset"] < 8 for e in early), early
+
+
+def test_reinforce_lr_jump_is_named(tmp_path: Path) -> None:
+    run = _run(tmp_path, REINFORCE, "lr")
+    found = [e for e in run.serious() if e["onset"] == REINFORCE.fault_step]
+    assert found and found[0]["causes"][0]["cause"] == "lr_too_high", run.events
+    assert [e for e in run.serious() if e["onset"] < REINFORCE.fault_step] == []
+
+
+def test_reinforce_nan_is_found(tmp_path: Path) -> None:
+    run = _run(tmp_path, REINFORCE, "nan")
+    _assert_found(run, REINFORCE, "nan")
