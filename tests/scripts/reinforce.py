@@ -106,7 +106,7 @@ def main():
             returns.insert(0, R)
         returns = torch.tensor(returns)
         returns = (returns - returns.mean()) / (returns.std() + eps)
-        policy_loss = torch.cat([-lp * R for lp, R in zip(log_probs, returns)]).sum()
+        policy_loss = torch.cat([-lp * R for lp, R in zip(log_probs, returns, strict=True)]).sum()
         optimizer.zero_grad()
         policy_loss.backward()
         optimizer.step()
