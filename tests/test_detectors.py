@@ -55,7 +55,7 @@ def serious(alerts: list) -> list:
 def test_sustained_spike_is_an_error_confirmed_at_the_next_step() -> None:
     loss, grad = curve()
     loss[600:603] *= 2.0
-    _, diag = run(records(loss, grad))
+    alerts, diag = run(records(loss, grad))
     assert [(a.kind, a.onset, a.step, a.severity) for a in alerts] == [("loss_spike", 600, 601, Severity.ERROR)]
     assert diag.incidents[0].end == 602
 
@@ -95,7 +95,7 @@ def test_modest_sustained_spike_is_a_warning() -> None:
 def test_one_step_jump_that_reverts_is_info_bad_batch() -> None:
     loss, grad = curve()
     loss[650] *= 1.8
-    _, diag = run(records(loss, grad))
+    alerts, diag = run(records(loss, grad))
     assert serious(alerts) == []
     [event] = [f for i in diag.incidents for f in i.findings]
     assert (event.kind, event.onset, event.end, event.severity) == ("loss_spike", 650, 650, Severity.INFO)
@@ -169,14 +169,14 @@ def test_huge_grad_explosion_is_an_error_at_once_with_the_loss_and_at_the_next_s
     assert [(a.kind, a.onset, a.step, a.severity) for a in alerts] == [("grad_explosion", 500, 501, Severity.ERROR)]
     loss, grad = curve()
     grad[500] *= 100.0  # one step, back at the next with the loss unchanged: a bad batch (INFO)
-    _, diag = run(records(loss, grad))
+    alerts, diag = run(records(loss, grad))
     assert serious(alerts) == [] and diag.incidents[0].headline.causes[0].cause == "bad_batch"
 
 
 def test_isolated_grad_blip_is_info() -> None:
     loss, grad = curve()
     grad[500] *= 8.0
-    _, diag = run(records(loss, grad))
+    alerts, diag = run(records(loss, grad))
     assert serious(alerts) == [] and diag.incidents[0].headline.severity is Severity.INFO
 
 
