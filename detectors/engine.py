@@ -53,6 +53,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from stability.detectors.base import Detector, Finding, Severity, is_skipped_step, without_step_statistics
 from stability.detectors.crossrank import CrossRankConfig, CrossRankDetector
 from stability.detectors.divergence import DivergenceConfig, DivergenceDetector
@@ -500,6 +502,8 @@ class RunDiagnoser:
                 suspect = source.suspect(rank, raw.step)
             if suspect is not None:
                 recent.append(suspect)
+            if raw.kind == "update_ratio_jump" and raw.severity is not Severity.INFO:
+                raw = _followed_gradient(raw, suite.history)
             ranking = rank_causes(raw, suite.history, recent, oddity=self._oddity)
             finding = dataclasses.replace(raw, causes=ranking.causes, rollback_step=ranking.rollback_step,
                                           skip_batches=ranking.skip_batches, host=raw.host or suite.host)
@@ -670,6 +674,34 @@ class RunDiagnoser:
         for detector in self._fleet:
             if detector.name in state.get("fleet", {}):
                 detector.load_state_dict(state["fleet"][detector.name])
+
+
+def _followed_gradient(finding: Finding, history: History) -> Finding:
+    """An update-ratio jump no larger than how far the step's global gradient norm sits above the smallest one of
+    the :data:`GRADIENT_SPAN` steps before: the update did what the gradient asked (plain SGD: Δw = lr·g; a
+    hand-written loop on heavy-tailed batches swings its gradient 50x within a few steps, and a ratio sampled
+    every 50 steps jumps over its line with it), so it is INFO with the reason. An LR that jumped leaves the
+    gradient in its usual range. Unchanged when the gradient norm is not recorded."""
+    ratio = finding.evidence.get("ratio", 0.0)
+    ring = history.globals
+    if ratio <= 1.0 or "grad_norm" not in ring.series:
+        return finding
+    steps, grads = ring.ordered(), ring.ordered("grad_norm")
+    now = grads[steps == finding.step]
+    before = grads[(steps < finding.step) & np.isfinite(grads) & (grads > 0)][-GRADIENT_SPAN:]
+    if len(now) != 1 or not math.isfinite(now[0]) or len(before) < GRADIENT_SPAN // 4:
+        return finding
+    follows = float(now[0]) / float(before.min())
+    if follows < ratio:
+        return finding
+    note = (f"; the gradient norm of that step was {follows:.3g}x the smallest of the {len(before)} steps before "
+            "(the update followed the gradient; the LR did not move it)")
+    return dataclasses.replace(finding, severity=Severity.INFO, message=finding.message + note,
+                               evidence={**finding.evidence, "grad_follows": follows})
+
+
+GRADIENT_SPAN = 64
+"""Steps of gradient norms an update jump is compared with (at least a quarter of them needed)."""
 
 
 def _grew_unexplained(head: Finding, joined: Finding, history: History) -> bool:

@@ -17,6 +17,8 @@ be found with the right kind at the step they were injected.
   whose closure runs up to 20 times a step: the step's loss is the first call's, not the sum of the trial points'.
 * ``reinforce.py`` (pytorch/examples reinforcement_learning): REINFORCE, one Adam step per cart-pole episode; the
   loss is a signed surrogate that swings 10x between episodes: not judged by the loss detectors once negative.
+* ``regression.py`` (pytorch/examples regression): a polynomial fit on x..x^4 features with a hand-written update:
+  a wild, heavy-tailed loss (0.008-2.5 between batches) and update ratios that follow the gradient.
 * ``mnist.py`` (pytorch/examples mnist): a CNN with dropout, ``Adadelta(lr=1.0)``, ``StepLR`` stepped per epoch
   (the LR drops 0.7x every 50 steps), and a training loss that reaches 1e-3-1e-2 where single batches lift it
   10x: the heavy-tailed regime a clean run must not alarm on.
@@ -309,3 +311,29 @@ def test_reinforce_lr_jump_is_named(tmp_path: Path) -> None:
 def test_reinforce_nan_is_found(tmp_path: Path) -> None:
     run = _run(tmp_path, REINFORCE, "nan")
     _assert_found(run, REINFORCE, "nan")
+
+
+# ------------------------------------------------------------- regression (hand-written SGD, a wild loss series)
+
+REGRESSION = Script("regression.py", 600)
+
+
+def test_regression_wild_loss_raises_nothing(tmp_path: Path) -> None:
+    run = _run(tmp_path, REGRESSION, "none")
+    _assert_captured(run, REGRESSION)
+    losses = [r.get("loss") for r in run.records[100:]]
+    assert max(losses) / min(losses) > 100  # heavy-tailed batch losses
+    assert run.serious() == [], run.serious()  # the update ratio sampled every 50 steps follows the gradient
+
+
+@pytest.mark.parametrize("fault", ["nan", "batch"])
+def test_regression_fault_is_found(tmp_path: Path, fault: str) -> None:
+    run = _run(tmp_path, REGRESSION, fault)
+    _assert_found(run, REGRESSION, fault)  # batch: targets x30, a 1,000x+ loss that z alone (4.4) would not flag
+
+
+def test_regression_lr_fault_is_found_at_its_step(tmp_path: Path) -> None:
+    run = _run(tmp_path, REGRESSION, "lr")  # no LR logged (hand-written update): the runaway names the LR
+    found = [e for e in run.serious() if REGRESSION.fault_step <= e["onset"] <= REGRESSION.fault_step + 3]
+    assert found and found[0]["causes"][0]["cause"] == "lr_too_high", run.events
+    assert [e for e in run.serious() if e["onset"] < REGRESSION.fault_step] == []
