@@ -368,6 +368,9 @@ class RunDiagnoser:
         if record.step < suite.last_step:
             alerts = self._release(flush=True)  # held findings belong to the run before the resume
             suite = self._resume(record.rank, suite.last_step, record.step)
+        elif record.signals.get("phase_start", 0.0) > 0 and suite.records:
+            alerts = self._release(flush=True)
+            suite = self._new_phase(record.rank, record.step)
         suite.last_step = record.step
         suite.records += 1
         suite.host = record.host or suite.host
@@ -437,6 +440,17 @@ class RunDiagnoser:
         self._open.pop(rank, None)
         self._open.pop(~rank, None)
         self._crossrank.reset(after)
+        return suite
+
+    def _new_phase(self, rank: int, step: int) -> _RankSuite:
+        """``rank`` started a new training phase at ``step`` (another optimizer over other parameters: the capture's
+        ``phase_start``): fresh detectors and history, as after a resume, since its loss is another objective's."""
+        logger.info("rank %d: a new training phase at step %d; re-baselining its detectors", rank, step)
+        last = self._ranks[rank].last_step
+        suite = self._ranks[rank] = _RankSuite(self.config, self._history)
+        suite.last_step = last
+        self._open.pop(rank, None)
+        self._open.pop(~rank, None)
         return suite
 
     def finish(self) -> list[Finding]:

@@ -163,6 +163,12 @@ def _is_compiling() -> bool:
     return _COMPILE_CHECK is not None and bool(_COMPILE_CHECK())
 
 
+HANDOVER_STEPS = 20
+"""Steps in a row of another optimizer (other parameters), with none of the tracked one, that make it the tracked
+one (auto mode): a new training phase. A GAN's generator, or a WGAN critic's 5 steps per generator step, stays
+ignored."""
+
+
 def _closure_index(optimizer: torch.optim.Optimizer, args: tuple[Any, ...]) -> int:
     """Where a step hook's ``args`` hold the closure: torch passes ``step``'s arguments with the optimizer first."""
     return 1 if args and args[0] is optimizer else 0
@@ -307,6 +313,15 @@ class Capture:
         self._scaled: tuple[weakref.ref[torch.Tensor], Any] | None = None
         self._scaler_call: tuple[Any, torch.optim.Optimizer, int] | None = None
         self._closure: Callable[..., Any] | None = None
+        self._same_params: dict[int, tuple[weakref.ref[torch.optim.Optimizer], bool]] = {}
+        self._foreign_run: tuple[int, int] = (0, 0)
+        self._rediscover = False
+        """After a new phase's first step the layout is built again, once the forward hooks saw its model."""
+        """id of the other optimizer that stepped since the tracked one last did, and how many times in a row."""
+        self._global_steps = False
+        """Auto mode: every optimizer's steps reach the hooks (so a re-created optimizer can take over)."""
+        self._stepping = False
+        """The tracked optimizer's ``step`` is running (between its pre- and post-step hooks)."""
         """The wrapped closure :meth:`_step_pre_hook` hands to the step in progress."""
         self._meta: tuple[int, dict[str, int], str] | None = None
         self._framework: str | None = None
@@ -364,6 +379,7 @@ class Capture:
         self._reader = Reader(self._sink, self._record_error, PENDING_LIMIT)
         torch_patches.subscribe(self)
         self._attached = True
+        self._global_steps = optimizer is None
         if optimizer is None:
             self._handles.append(register_optimizer_step_pre_hook(self._step_pre_hook))
             self._handles.append(register_optimizer_step_post_hook(self._on_post_step))
@@ -625,7 +641,10 @@ class Capture:
     def _on_pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._drive_steps:
             return
+        if self._stepping and optimizer is not self._optimizer:
+            return  # an optimizer stepped from inside the tracked one's step (a wrapper's inner optimizer)
         if self._adopt(optimizer):
+            self._stepping = True
             at = _closure_index(optimizer, args)
             closure = kwargs.get("closure") or (args[at] if len(args) > at else None)
             if callable(closure):
@@ -660,6 +679,7 @@ class Capture:
     @_hook
     def _on_post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._drive_steps and optimizer is self._optimizer:
+            self._stepping = False
             state = self._state
             if state.closure and not state.closure_done:
                 state.closure_done = True
@@ -893,13 +913,27 @@ class Capture:
         )
 
     def _adopt(self, optimizer: torch.optim.Optimizer) -> bool:
-        """True if ``optimizer`` is the tracked one; the first optimizer to step becomes the tracked one."""
+        """True if ``optimizer`` is the tracked one; the first optimizer to step becomes the tracked one, and in
+        auto mode a new optimizer over exactly the tracked one's parameters replaces it (a loop that creates its
+        optimizer again each epoch or stage: before, every step after the first optimizer was silently lost)."""
         if self._optimizer is None:
             self._optimizer = optimizer
             if self._rhythm.confirmed:
                 logger.info("stability: optimizer %s now steps; it sets the step boundaries", type(optimizer).__name__)
         if optimizer is self._optimizer:
             return True
+        if self._global_steps and not self._stepping:
+            if self._replaces(optimizer):
+                logger.info("stability: a new %s over the same parameters steps; it replaces the tracked optimizer",
+                            type(optimizer).__name__)
+                self._optimizer = optimizer
+                self._ignored.discard(id(optimizer))
+                return True
+            run = self._foreign_run
+            self._foreign_run = run = (id(optimizer), run[1] + 1 if run[0] == id(optimizer) else 1)
+            if run[1] >= HANDOVER_STEPS:
+                self._new_phase(optimizer)
+                return True
         if id(optimizer) not in self._ignored:
             self._ignored.add(id(optimizer))
             logger.info(
@@ -907,6 +941,37 @@ class Capture:
                 "backpropagated just before it steps are not the tracked step's loss)", type(optimizer).__name__
             )
         return False
+
+    def _new_phase(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` (other parameters) stepped :data:`HANDOVER_STEPS` times in a row while the tracked one did
+        not: a new training phase (forward-forward trains one layer after the other, each with its own optimizer;
+        a fine-tuning stage with a new optimizer over part of the model). It becomes the tracked optimizer, the
+        layout is rebuilt over its parameters, and the phase's first record carries ``phase_start`` (the
+        detectors re-baseline: another objective's loss is not a spike)."""
+        logger.info("stability: optimizer %s stepped %d times in a row while the tracked one did not: a new "
+                    "training phase; it now sets the step boundaries", type(optimizer).__name__, HANDOVER_STEPS)
+        self._optimizer = optimizer
+        self._ignored.discard(id(optimizer))
+        self._foreign_run = (0, 0)
+        self._layout, self._layout_has_optimizer, self._snapshot_buffers = None, False, None
+        self._state.objectives = 1
+        self._state.host["phase_start"] = 1.0
+        owned = {id(p) for root in self._roots for p in root.parameters()}
+        if any(id(p) not in owned for p in optimizer_params(optimizer)) and not self._discovery:
+            self._roots = []  # its model is elsewhere: found again from the next step's forward passes
+            self._rediscover = True
+            self._discovery.append(register_module_forward_pre_hook(self._on_any_forward_pre))
+            self._discovery.append(register_module_forward_hook(self._on_any_forward, always_call=True))
+
+    def _replaces(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` holds exactly the tracked optimizer's parameters (cached per optimizer)."""
+        known = self._same_params.get(id(optimizer))
+        if known is None or known[0]() is not optimizer:
+            tracked = self._optimizer
+            same = tracked is not None and {id(p) for p in optimizer_params(optimizer)} == {
+                id(p) for p in optimizer_params(tracked)}
+            known = self._same_params[id(optimizer)] = (weakref.ref(optimizer), same)
+        return known[1]
 
     def _begin_step(self, optimizer: torch.optim.Optimizer) -> None:
         """At the optimizer pre-step: gradient statistics (unless taken at clipping), lr, parameter snapshot."""
@@ -969,6 +1034,8 @@ class Capture:
             or any(a is not b for a, b in zip(previous.params, self._layout.params, strict=False))
         ):
             self._state.snapshot = None  # taken for another parameter list
+        if self._rediscover:  # a new phase's first step: its model's forward passes are still to be seen
+            return
         for handle in self._discovery:
             handle.remove()
         self._discovery = []
@@ -1021,6 +1088,9 @@ class Capture:
     def _finish_step(self, optimizer: torch.optim.Optimizer | None, skipped: float | None) -> None:
         """Complete the step: sampled statistics, loss, scaler signals; stage the record; prepare the next step."""
         state, step = self._state, self._step
+        self._foreign_run = (0, 0)
+        if self._rediscover:  # the new phase's first step used the parameters without their modules
+            self._rediscover = self._layout_has_optimizer = False
         try:
             if self._stats_due(step) and self._layout is not None:
                 self._sampled_stats(optimizer, state)

@@ -759,3 +759,93 @@ def test_a_float64_model_is_captured_with_every_signal():
         assert record.get("nonfinite_grads") == 0
     last = sink.records[3]
     assert math.isnan(last.get("loss")) and math.isnan(last.get("grad_norm")) and last.get("nonfinite_grads") > 0
+
+
+def test_an_optimizer_created_again_each_epoch_keeps_being_tracked(caplog):
+    """``opt = SGD(model.parameters(), lr=...)`` inside the epoch loop: each new optimizer over the same parameters
+    replaces the tracked one (before, every step after the first epoch was silently lost)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="recreated", stats_every=0), sink).attach()
+    losses = []
+    with caplog.at_level(logging.INFO, logger="stability.hooks.capture"):
+        try:
+            for epoch in range(3):
+                opt = torch.optim.SGD(model.parameters(), lr=0.1 * 0.5**epoch)
+                for _ in range(4):
+                    loss = model(torch.randn(8, 6)).square().mean()
+                    losses.append(loss.item())
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+        finally:
+            capture.close()
+    assert capture.errors == 0
+    assert [r.step for r in sink.records] == list(range(12))
+    assert [r.get("loss") for r in sink.records] == pytest.approx(losses, rel=1e-6)
+    assert [r.get("lr") for r in sink.records] == pytest.approx([0.1] * 4 + [0.05] * 4 + [0.025] * 4)
+    assert sum("replaces the tracked optimizer" in r.getMessage() for r in caplog.records) == 2
+
+
+class _Stage(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def test_sequential_optimizers_over_other_parameters_start_a_new_phase():
+    """Forward-forward style: stage 0 trains with its own optimizer, then stage 1 with another. After
+    HANDOVER_STEPS steps in a row of the second, it is tracked; the phase's first record says ``phase_start`` and
+    the per-module signals name the new stage's modules (found again from its forward passes)."""
+    torch.manual_seed(0)
+    stages = [_Stage(6), _Stage(6)]
+    opts = [torch.optim.Adam(s.parameters(), lr=1e-2) for s in stages]
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="phases", stats_every=0), sink).attach()
+    n = capture_module.HANDOVER_STEPS + 10
+    try:
+        for stage, opt in zip(stages, opts, strict=True):
+            for _ in range(n):
+                loss = stage(torch.randn(8, 6)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    finally:
+        capture.close()
+    assert capture.errors == 0
+    records = sink.records
+    first = n  # the second phase's first tracked step: its HANDOVER_STEPS-th step (the earlier ones are not seen)
+    assert [r.step for r in records] == list(range(2 * n - capture_module.HANDOVER_STEPS + 1))
+    assert [r.step for r in records if r.signals.get("phase_start")] == [first]
+    assert "grad_norm/lin" in records[first - 1].signals and "grad_norm/lin" in records[first + 1].signals
+    want = torch.nn.utils.get_total_norm([p.grad for p in stages[1].parameters()]).item()
+    assert records[-1].get("grad_norm") == pytest.approx(want, rel=1e-5)  # the second stage's gradients
+
+
+def test_alternating_optimizers_never_hand_over():
+    """A WGAN critic stepping 5 times per generator step (both after the critic's first step): the first
+    optimizer to step stays tracked, whichever steps more often."""
+    torch.manual_seed(0)
+    gen, critic = nn.Linear(4, 4), nn.Linear(4, 1)
+    opt_g = torch.optim.RMSprop(gen.parameters(), lr=1e-3)
+    opt_c = torch.optim.RMSprop(critic.parameters(), lr=1e-3)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="wgan", stats_every=0), sink).attach()
+    try:
+        for _ in range(capture_module.HANDOVER_STEPS + 5):
+            gen(torch.randn(8, 4)).square().mean().backward()  # the generator steps first: tracked
+            opt_g.step()
+            opt_g.zero_grad()
+            for _ in range(5):
+                critic(torch.randn(8, 4)).mean().backward()
+                opt_c.step()
+                opt_c.zero_grad()
+    finally:
+        capture.close()
+    assert len(sink.records) == capture_module.HANDOVER_STEPS + 5
+    assert not [r for r in sink.records if r.signals.get("phase_start")]
+    assert all(r.signals.get("objectives", 1.0) > 1 for r in sink.records[1:])  # one side of a game

@@ -252,6 +252,20 @@ def test_a_loss_that_turns_negative_late_keeps_what_was_found_before() -> None:
     assert spike and spike[0].severity is not Severity.INFO and "signed_loss" not in spike[0].evidence
 
 
+def test_a_new_training_phase_re_baselines_instead_of_raising_a_spike() -> None:
+    """The capture marks the first record of a new phase (another optimizer over other parameters: a second
+    forward-forward layer) with ``phase_start``: its loss is another objective's, 5x the first phase's end."""
+    loss, grad = curve(600)
+    loss[300:] = 5.0 * curve(300, seed=4)[0]
+    recs = records(loss, grad)
+    alerts, _ = run(recs)
+    assert [a.kind for a in serious(alerts) if a.onset == 300] == ["loss_spike"]  # unmarked: a jump
+    marked = [StepRecord(run_id=r.run_id, step=r.step, signals={**r.signals, "phase_start": 1.0})
+              if r.step == 300 else r for r in recs]
+    alerts, diag = run(marked)
+    assert serious(alerts) == [] and diag.resumes == []  # re-baselined, and not a resume
+
+
 def test_a_slowdown_between_two_loss_events_does_not_fuse_them() -> None:
     """A performance finding joins the rank's performance incident; it must not keep the loss incident open (a
     slowdown at step 89 once made an LR jump at step 90 join a loss incident of step 3)."""

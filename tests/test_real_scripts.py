@@ -19,6 +19,8 @@ be found with the right kind at the step they were injected.
   loss is a signed surrogate that swings 10x between episodes: not judged by the loss detectors once negative.
 * ``regression.py`` (pytorch/examples regression): a polynomial fit on x..x^4 features with a hand-written update:
   a wild, heavy-tailed loss (0.008-2.5 between batches) and update ratios that follow the gradient.
+* ``forward_forward.py`` (pytorch/examples mnist_forward_forward): one Adam per layer, layers trained one after
+  the other: the second layer's optimizer becomes the tracked one (a new phase), faults in that phase are found.
 * ``mnist.py`` (pytorch/examples mnist): a CNN with dropout, ``Adadelta(lr=1.0)``, ``StepLR`` stepped per epoch
   (the LR drops 0.7x every 50 steps), and a training loss that reaches 1e-3-1e-2 where single batches lift it
   10x: the heavy-tailed regime a clean run must not alarm on.
@@ -36,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from stability import postmortem, runstate, supervisor
+from stability.hooks.capture import HANDOVER_STEPS
 from stability.records import StepRecord
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -337,3 +340,27 @@ def test_regression_lr_fault_is_found_at_its_step(tmp_path: Path) -> None:
     found = [e for e in run.serious() if REGRESSION.fault_step <= e["onset"] <= REGRESSION.fault_step + 3]
     assert found and found[0]["causes"][0]["cause"] == "lr_too_high", run.events
     assert [e for e in run.serious() if e["onset"] < REGRESSION.fault_step] == []
+
+
+# ---------------------------------------------------- forward-forward (one optimizer per layer, trained in turn)
+
+FORWARD_FORWARD = Script("forward_forward.py", 150)  # epochs per layer, two layers
+FF_PHASE = FORWARD_FORWARD.steps  # the second layer's phase starts here (its first HANDOVER_STEPS - 1 unseen)
+
+
+def test_forward_forward_second_layer_is_a_new_phase_and_raises_nothing(tmp_path: Path) -> None:
+    run = _run(tmp_path, FORWARD_FORWARD, "none")
+    assert [r.step for r in run.records] == list(range(2 * FORWARD_FORWARD.steps - HANDOVER_STEPS + 1))
+    assert [r.step for r in run.records if r.signals.get("phase_start")] == [FF_PHASE]
+    assert _stability_warnings(run.proc.stderr) == []  # no hang reported while the second layer trains
+    assert run.serious() == [], run.serious()
+
+
+@pytest.mark.parametrize("fault", ["lr", "nan"])
+def test_forward_forward_fault_in_the_second_phase_is_found(tmp_path: Path, fault: str) -> None:
+    run = _run(tmp_path, FORWARD_FORWARD, fault)
+    at = FF_PHASE + FORWARD_FORWARD.fault_step - (HANDOVER_STEPS - 1)
+    kind, cause, slack = EXPECTED[fault]
+    found = [e for e in run.serious() if e["kind"] == kind and at <= e["onset"] <= at + slack]
+    assert found and found[0]["causes"][0]["cause"] == cause, run.events
+    assert [e for e in run.serious() if e["onset"] < at] == []
