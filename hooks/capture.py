@@ -100,6 +100,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -162,6 +163,9 @@ _COMPILE_CHECK: Callable[[], bool] | None = getattr(torch.compiler, "is_compilin
 def _is_compiling() -> bool:
     return _COMPILE_CHECK is not None and bool(_COMPILE_CHECK())
 
+
+_COMPILE_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
+"""Start of torch's warning when a compiled module runs while global module hooks are registered."""
 
 HANDOVER_STEPS = 20
 """Steps in a row of another optimizer (other parameters), with none of the tracked one, that make it the tracked
@@ -315,6 +319,8 @@ class Capture:
         self._closure: Callable[..., Any] | None = None
         self._same_params: dict[int, tuple[weakref.ref[torch.optim.Optimizer], bool]] = {}
         self._foreign_run: tuple[int, int] = (0, 0)
+        self._warning_filter: Any = None
+        """The warnings filter :meth:`_discover` added (removed with the discovery hooks)."""
         self._rediscover = False
         """After a new phase's first step the layout is built again, once the forward hooks saw its model."""
         """id of the other optimizer that stepped since the tracked one last did, and how many times in a row."""
@@ -388,8 +394,7 @@ class Capture:
             self._handles.append(optimizer.register_step_pre_hook(self._step_pre_hook))
             self._handles.append(optimizer.register_step_post_hook(self._on_post_step))
         if model is None:
-            self._discovery.append(register_module_forward_pre_hook(self._on_any_forward_pre))
-            self._discovery.append(register_module_forward_hook(self._on_any_forward, always_call=True))
+            self._discover()
         else:
             self._roots = [model]
             self._arm_step_hooks()
@@ -483,9 +488,10 @@ class Capture:
         if self._attached:
             torch_patches.unsubscribe(self)
         self._perf.close()
-        for handle in (*self._handles, *self._discovery, *self._step_hooks):
+        self._end_discovery()
+        for handle in (*self._handles, *self._step_hooks):
             handle.remove()
-        self._handles, self._discovery, self._step_hooks = [], [], []
+        self._handles, self._step_hooks = [], []
         self._step_hook_targets = None
         self._candidates.clear()
         if self._reader is not None and not self._reader.close(timeout):
@@ -960,8 +966,7 @@ class Capture:
         if any(id(p) not in owned for p in optimizer_params(optimizer)) and not self._discovery:
             self._roots = []  # its model is elsewhere: found again from the next step's forward passes
             self._rediscover = True
-            self._discovery.append(register_module_forward_pre_hook(self._on_any_forward_pre))
-            self._discovery.append(register_module_forward_hook(self._on_any_forward, always_call=True))
+            self._discover()
 
     def _replaces(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` holds exactly the tracked optimizer's parameters (cached per optimizer)."""
@@ -1036,12 +1041,28 @@ class Capture:
             self._state.snapshot = None  # taken for another parameter list
         if self._rediscover:  # a new phase's first step: its model's forward passes are still to be seen
             return
+        self._end_discovery()
+        if optimizer is not None:
+            self._announce(optimizer)
+
+    def _discover(self) -> None:
+        """Global forward hooks that note the outermost modules running forward, until the model is known. torch
+        warns that ``torch.compile(model)`` makes global hooks fire once more (for its wrapper): harmless for these,
+        so that warning is silenced while they are on."""
+        self._discovery.append(register_module_forward_pre_hook(self._on_any_forward_pre))
+        self._discovery.append(register_module_forward_hook(self._on_any_forward, always_call=True))
+        warnings.filterwarnings("ignore", message=_COMPILE_HOOKS_WARNING, category=UserWarning)
+        self._warning_filter = warnings.filters[0]
+
+    def _end_discovery(self) -> None:
         for handle in self._discovery:
             handle.remove()
         self._discovery = []
         self._candidates.clear()
-        if optimizer is not None:
-            self._announce(optimizer)
+        if self._warning_filter is not None:
+            with contextlib.suppress(ValueError):
+                warnings.filters.remove(self._warning_filter)  # type: ignore[attr-defined]
+            self._warning_filter = None
 
     def _discover_roots(self, param_ids: set[int]) -> list[torch.nn.Module]:
         modules = [m for ref in self._candidates.values() if (m := ref()) is not None]

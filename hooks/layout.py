@@ -4,7 +4,8 @@ Per-module signals are named ``<quantity>/<module path>``, the module path being
 gives the module that *directly* owns the parameters (``transformer.h.0.attn.c_attn``). Parameters owned by the
 root module itself are grouped under ``root``. With several root modules (two models trained by one optimizer)
 paths are prefixed ``root0.``, ``root1.``, ...; parameters the optimizer holds that are in no root go to
-``_other``. A parameter shared by two modules (tied embeddings) belongs to the first one in module order.
+``_other``. A parameter shared by two modules (tied embeddings) belongs to the first one in module order. A model
+wrapped by ``torch.compile`` keeps its own names (the wrapper's ``_orig_mod.`` prefix is dropped).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def build_layout(roots: Sequence[torch.nn.Module], params: Iterable[torch.Tensor
     for r, root in enumerate(roots):
         prefix = f"root{r}" if len(roots) > 1 else ""
         for name, module in root.named_modules():
+            name = _without_compile_prefix(name)
             own = [
                 p
                 for p in module.parameters(recurse=False)
@@ -123,6 +125,17 @@ def build_layout(roots: Sequence[torch.nn.Module], params: Iterable[torch.Tensor
     if rest:
         _add_group(layout, OTHER, None, rest, placed)
     return layout
+
+
+COMPILED = "_orig_mod"
+"""The attribute under which ``torch.compile(module)``'s wrapper holds the module: its names drop this prefix."""
+
+
+def _without_compile_prefix(name: str) -> str:
+    """``_orig_mod.h.0.attn`` -> ``h.0.attn``: a compiled model's modules keep the names the user knows."""
+    if name == COMPILED:
+        return ""
+    return name.removeprefix(COMPILED + ".")
 
 
 def _add_group(

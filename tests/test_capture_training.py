@@ -849,3 +849,31 @@ def test_alternating_optimizers_never_hand_over():
     assert len(sink.records) == capture_module.HANDOVER_STEPS + 5
     assert not [r for r in sink.records if r.signals.get("phase_start")]
     assert all(r.signals.get("objectives", 1.0) > 1 for r in sink.records[1:])  # one side of a game
+
+
+def test_a_compiled_model_keeps_its_module_names_and_no_hook_warning_is_shown():
+    """``torch.compile(model)`` (backend "eager": dynamo's wrapper and tracing, no C++ build): signals are named
+    after the user's modules, not ``_orig_mod.*``, and torch's warning about global hooks firing once more for the
+    wrapper (caused by the capture's discovery hooks) is not shown."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sink = ListSink()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # every warning shown, as a fresh interpreter shows this one
+        capture = Capture(WatchConfig(run_id="compiled", stats_every=1), sink).attach()
+        try:
+            for _ in range(3):
+                loss = compiled(torch.randn(4, 8)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        finally:
+            capture.close()
+        assert not [f for f in warnings.filters if f[1] is not None and "global hooks" in f[1].pattern]  # removed
+    assert capture.errors == 0
+    assert not [w for w in seen if "global hooks" in str(w.message)], [str(w.message) for w in seen]
+    assert set(per_module(sink.records[-1], "grad_norm")) == {"0", "2"}
