@@ -173,6 +173,13 @@ one (auto mode): a new training phase. A GAN's generator, or a WGAN critic's 5 s
 ignored."""
 
 
+def _forked_child(ref: weakref.ref[Capture]) -> None:
+    """``os.fork`` child: the capture's reader, watchdog and session threads are gone, so it turns off there."""
+    capture = ref()
+    if capture is not None and capture._live():
+        capture._forked, capture._disabled = True, True
+
+
 def _closure_index(optimizer: torch.optim.Optimizer, args: tuple[Any, ...]) -> int:
     """Where a step hook's ``args`` hold the closure: torch passes ``step``'s arguments with the optimizer first."""
     return 1 if args and args[0] is optimizer else 0
@@ -183,6 +190,8 @@ def _hook(method: Callable[Concatenate[Capture, _P], None]) -> Callable[Concaten
 
     def guarded(self: Capture, /, *args: _P.args, **kwargs: _P.kwargs) -> None:
         if not self._live() or _is_compiling():
+            if self._forked and not self._fork_said:
+                self._say_forked()
             return
         previous = in_hook()
         _hook_state.active = True
@@ -320,6 +329,9 @@ class Capture:
         self._same_params: dict[int, tuple[weakref.ref[torch.optim.Optimizer], bool]] = {}
         self._foreign_run: tuple[int, int] = (0, 0)
         self._warning_filter: Any = None
+        self._forked = False
+        """This is a forked child of the process that attached (the capture is off in it)."""
+        self._fork_said = False
         """The warnings filter :meth:`_discover` added (removed with the discovery hooks)."""
         self._rediscover = False
         """After a new phase's first step the layout is built again, once the forward hooks saw its model."""
@@ -385,6 +397,9 @@ class Capture:
         self._reader = Reader(self._sink, self._record_error, PENDING_LIMIT)
         torch_patches.subscribe(self)
         self._attached = True
+        if hasattr(os, "register_at_fork"):
+            me = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: _forked_child(me))
         self._global_steps = optimizer is None
         if optimizer is None:
             self._handles.append(register_optimizer_step_pre_hook(self._step_pre_hook))
@@ -811,6 +826,13 @@ class Capture:
         self._state.framework_losses.append(loss.detach().to(torch.float32).mean())
 
     # -------------------------------------------------------------------------------------------- step logic
+
+    def _say_forked(self) -> None:
+        """Once, in a forked child that trains (a DataLoader worker never reaches a hook)."""
+        self._fork_said = True
+        logger.warning("stability: process %d, forked from the captured process, trains but is not captured: the "
+                       "capture's threads do not survive fork (Hogwild-style training); only the parent's steps "
+                       "are recorded", os.getpid())
 
     def _live(self) -> bool:
         return self._attached and not self._closed and not self._disabled

@@ -877,3 +877,42 @@ def test_a_compiled_model_keeps_its_module_names_and_no_hook_warning_is_shown():
     assert capture.errors == 0
     assert not [w for w in seen if "global hooks" in str(w.message)], [str(w.message) for w in seen]
     assert set(per_module(sink.records[-1], "grad_norm")) == {"0", "2"}
+
+
+def _train_in_fork(model: nn.Module, done, capture: Capture | None = None) -> None:
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("stability.hooks.capture").addHandler(handler)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    logging.getLogger("stability.hooks.capture").removeHandler(handler)
+    done.put((said, capture is not None and capture._forked))
+
+
+def test_a_forked_child_that_trains_is_off_and_says_so_once(caplog):
+    """Hogwild (pytorch/examples mnist_hogwild): forked processes train a shared model. The capture's threads do not
+    survive fork, so in the child it turns off (no hook work, nothing piling up) and says so once; the parent goes
+    on being captured."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    model = nn.Linear(6, 1)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="fork", stats_every=0), sink).attach()
+    done = ctx.Queue()
+    try:
+        child = ctx.Process(target=_train_in_fork, args=(model, done, capture))
+        child.start()
+        said, off = done.get(timeout=120)
+        assert off and len(said) == 1 and "forked from the captured process" in said[0], said
+        child.join(timeout=120)
+        assert child.exitcode == 0
+        _train_in_fork(model, ctx.Queue())  # the parent trains too: captured
+    finally:
+        capture.close()
+    assert [r.step for r in sink.records] == [0, 1, 2]  # the parent's three steps only
+    assert capture.errors == 0 and not capture._forked
