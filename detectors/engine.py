@@ -324,6 +324,8 @@ class RunDiagnoser:
         self._fleet: list[Detector] = [StragglerDetector(self.config.straggler), HangDetector(self.config.hang)]
         """Engine-level performance detectors (a straggler rank, a silent rank); a shard's see only its ranks."""
         self._held: list[tuple[int, Finding, float]] = []
+        self._revised: list[Finding] = []
+        """Alerted incidents whose diagnosis changed since their alert (:meth:`_revise`), to alert again."""
         """(rank, finding, unix time held) waiting for the other ranks to report its step (see :meth:`_release`)."""
         self.resumes: list[tuple[int, int, int]] = []
         """(rank, last step before, first step after) of every detected resume (step going backwards)."""
@@ -388,12 +390,29 @@ class RunDiagnoser:
         alerts += self._release()
         for finding in decided:
             alerts += self._fuse(self._suite(finding.rank), finding.rank, [finding])
-        return alerts
+        return self._with_revisions(alerts)
 
     def release(self) -> list[Finding]:
         """Fuse and return the held findings that became decidable (a sharded run's shard calls this when the
         cross-rank stage decided more steps while no record of the shard arrived)."""
-        return self._release()
+        return self._with_revisions(self._release())
+
+    def _with_revisions(self, alerts: list[Finding]) -> list[Finding]:
+        if self._revised:
+            alerts += self._revised
+            self._revised = []
+        return alerts
+
+    def _revise(self, incident: Incident, before: Finding, after: Finding) -> None:
+        """An incident already alerted (warning/error) whose headline changed its first cause or fell to INFO is
+        alerted again as a revision (``evidence["revised"]``: the training console prints what changed; the
+        other sinks keep the first alert)."""
+        if incident.alerted not in (Severity.WARNING, Severity.ERROR):
+            return
+        old = before.causes[0].cause if before.causes else None
+        new = after.causes[0].cause if after.causes else None
+        if old != new or after.severity is not before.severity:
+            self._revised.append(dataclasses.replace(after, evidence={**after.evidence, "revised": 1.0}))
 
     def _release(self, *, flush: bool = False) -> list[Finding]:
         """Fuse the held findings whose step every known rank has reported (or that waited long enough).
@@ -467,7 +486,7 @@ class RunDiagnoser:
         if self._verdicts is None:
             for finding in self._crossrank.finish():
                 out += self._fuse(self._suite(finding.rank), finding.rank, [finding])
-        return out
+        return self._with_revisions(out)
 
     def _unsure_of_sign(self, rank: int, finding: Finding) -> bool:
         """A loss detector's finding in a rank's first :data:`SIGNED_HOLD` records waits for them: a loss that
@@ -497,7 +516,9 @@ class RunDiagnoser:
 
         for incident in self._incidents:
             if incident.rank == record.rank:
+                head = incident.headline
                 incident.findings[:] = [demoted(f) for f in incident.findings]
+                self._revise(incident, head, demoted(head))
         self._held = [(rank, demoted(f) if rank == record.rank else f, since) for rank, f, since in self._held]
 
     def _fuse(self, suite: _RankSuite, rank: int, found: list[Finding]) -> list[Finding]:
@@ -602,8 +623,10 @@ class RunDiagnoser:
             head = dataclasses.replace(head, evidence={**head.evidence, "reverted": 1.0})
         ranking = rank_causes(head, suite.history, incident.findings, oddity=self._oddity)
         index = next(i for i, f in enumerate(incident.findings) if f is incident.headline)
+        before = incident.findings[index]
         incident.findings[index] = dataclasses.replace(head, causes=ranking.causes,
                                                        rollback_step=ranking.rollback_step)
+        self._revise(incident, before, incident.findings[index])
 
     def _close(self, rank: int, closing: Finding) -> None:
         for incident in reversed(self._incidents):

@@ -80,6 +80,11 @@ def alert_line(finding: Mapping[str, Any]) -> str:
     return " · ".join(parts)
 
 
+def _first_cause(finding: Mapping[str, Any]) -> str | None:
+    causes = finding.get("causes") or []
+    return str(causes[0].get("cause")) if causes else None
+
+
 def summary_line(run_id: str, counts: Mapping[str, int], report: str | None, *, what: str = "incidents",
                  suppressed: int = 0, wandb_url: str | None = None, died: str | None = None) -> str:
     """The end-of-run line: how the run ended (``died``: why the training process is dying, e.g. its uncaught
@@ -142,6 +147,8 @@ class ConsoleReporter:
         self._thread: threading.Thread | None = None
         self._last = "0-0"
         self._seen: set[tuple[int, str, int]] = set()
+        self._printed: dict[tuple[int, str, int], tuple[str, str | None]] = {}
+        """Alert lines printed: (rank, kind, onset) -> (severity, first cause), what a revision is compared with."""
         self.counts = {s: 0 for s in SEVERITIES}
         """Findings seen per severity (de-duplicated)."""
         self.suppressed = 0
@@ -226,6 +233,9 @@ class ConsoleReporter:
     def _handle(self, finding: Mapping[str, Any], now: float) -> None:
         severity = str(finding.get("severity", "info"))
         key = (int(finding.get("rank", 0)), str(finding.get("kind")), int(finding.get("onset", finding.get("step", 0))))
+        if (finding.get("evidence") or {}).get("revised"):
+            self._revision(key, finding, severity)
+            return
         if key in self._seen:
             return
         self._seen.add(key)
@@ -244,8 +254,27 @@ class ConsoleReporter:
             line += f" · ({self._pending_note} more alerts suppressed; all are in the report)"
             self._pending_note = 0
         self._safe_print(line, severity)
+        self._printed[key] = (severity, _first_cause(finding))
         if self._on_line is not None:
             self._on_line(finding, time.monotonic())
+
+    def _revision(self, key: tuple[int, str, int], finding: Mapping[str, Any], severity: str) -> None:
+        """A printed alert whose diagnosis changed (the engine's revision): one UPDATE line saying what it is now;
+        not counted again, and nothing for alerts that were not printed."""
+        printed = self._printed.get(key)
+        cause = _first_cause(finding)
+        if printed is None or printed == (severity, cause):
+            return
+        self._printed[key] = (severity, cause)
+        if printed[0] != severity:
+            self.counts[printed[0]] = max(0, self.counts.get(printed[0], 0) - 1)
+            self.counts[severity] = self.counts.get(severity, 0) + 1
+        was = f"was {printed[0]}" if printed[1] == cause else f"was likely {printed[1]}"
+        signed = (finding.get("evidence") or {}).get("signed_loss")
+        if signed is not None:
+            was = f"the loss turned negative at step {int(signed)}: a signed objective, not judged; {was}"
+        line = alert_line(finding).replace(f"stability: {severity.upper()} ", f"stability: UPDATE {severity} ", 1)
+        self._safe_print(f"{line} · ({was})", severity if severity != "info" else "warning")
 
     def _summary(self, drained: bool, died: str | None = None) -> None:
         report: str | None = None

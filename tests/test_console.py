@@ -166,6 +166,40 @@ def test_reader_prints_new_alerts_once_rate_limits_and_summarises(redis_server, 
                          "suppressed by the rate limit · no report (see the worker log)")
 
 
+def test_a_revised_diagnosis_gets_one_update_line(redis_server, redis_client, tmp_path: Path) -> None:
+    """The engine alerts again (``evidence["revised"]``) when an alerted incident's first cause changes (a jump
+    that reverted at the next record: bad_batch, not the gradient precursor the first line named) or it falls to
+    INFO: one UPDATE line, counted once; an unchanged or never-printed revision prints nothing."""
+    import dataclasses
+
+    run_id = "rev"
+    out = io.StringIO()
+    reporter = ConsoleReporter(redis_server.url, run_id, tmp_path, "stability: run rev -> here", stream=out).start()
+
+    def revised(f: Finding, **changes) -> Finding:
+        return dataclasses.replace(f, evidence={**f.evidence, "revised": 1.0}, **changes)
+
+    try:
+        first = _finding("loss_spike", 120)
+        other = _finding("grad_explosion", 300, Severity.WARNING)
+        _publish(redis_client, run_id, first, other)
+        _wait(lambda: reporter.counts["error"] == 1 and reporter.counts["warning"] == 1)
+        better = revised(first, causes=(CauseHint(cause="bad_batch", score=0.93, evidence="reverted at the next step",
+                                                  remedy=remedy("bad_batch")),))
+        _publish(redis_client, run_id, revised(other), better, revised(_finding("nan", 400)),  # unchanged, unprinted
+                 revised(other, severity=Severity.INFO))
+        _wait(lambda: reporter.counts["info"] == 1)
+    finally:
+        reporter.stop(drained=True)
+    lines = out.getvalue().splitlines()
+    updates = [line for line in lines if "UPDATE" in line]
+    assert len(updates) == 2, lines
+    assert updates[0].startswith("stability: UPDATE error loss_spike at step 120 (rank 0 on node-3) · likely bad_batch")
+    assert updates[0].endswith("(was likely lr_too_high)")
+    assert updates[1].startswith("stability: UPDATE info grad_explosion at step 300") and "(was warning)" in updates[1]
+    assert reporter.counts == {"error": 1, "warning": 0, "info": 1}
+
+
 def test_alert_line_and_remedy_wording() -> None:
     with_batches = alert_line(_finding("loss_spike", 50, cause="bad_batch", skip=("b50", "b51")).to_dict())
     assert "remedy: Skip the listed batches" in with_batches and "skip batches b50, b51" in with_batches

@@ -91,8 +91,10 @@ def test_a_huge_jump_alerted_at_once_that_reverts_at_the_next_record_is_re_ranke
     s = base()
     s["grad_norm/h.0.attn"][499] *= 30.0  # a heavy-tailed batch just before: read as a gradient precursor at the alert
     s["loss"][500] *= 8.0  # alerted at once (>= 3x), back at the next record
-    [alert], diag = diagnose(s)
+    [alert, revision], diag = diagnose(s)
     assert alert.onset == 500 and alert.causes[0].cause == "lr_too_high"  # what the alert said at step 500
+    assert revision.onset == 500 and revision.evidence["revised"] == 1.0  # alerted again (the terminal's UPDATE)
+    assert revision.causes[0].cause == "bad_batch" and revision.severity is alert.severity
     [incident] = diag.incidents
     assert incident.end == 500
     head = incident.headline.causes

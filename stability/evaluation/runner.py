@@ -46,7 +46,7 @@ def stability_alarms(records: Sequence[StepRecord]) -> list[Alarm]:
     for record in sorted(records, key=lambda r: (r.step, r.rank)):
         found.extend(diagnoser.update(record))
     found.extend(diagnoser.finish())
-    return findings_to_alarms(found)
+    return findings_to_alarms(f for f in found if not f.evidence.get("revised"))  # corrections, not new alarms
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
