@@ -551,8 +551,16 @@ def analyze(records: Sequence[StepRecord], run_id: str, *, config: DiagnoserConf
     return PostmortemResult(run_id=run_id, steps=len({r.step for r in records}),
                             ranks=tuple(sorted({r.rank for r in records})), incidents=tuple(incidents),
                             alerts=tuple(alerts), meta=dict(meta or {}), segments=log_segments,
-                            log_events=tuple(events or ()), artifacts=find_artifacts(run_dir),
+                            log_events=tuple(events or ()) + _phase_starts(records), artifacts=find_artifacts(run_dir),
                             performance=tuple(perf_summary(records)), phases=_phases(records, log_segments))
+
+
+def _phase_starts(records: Sequence[StepRecord]) -> tuple[LogEvent, ...]:
+    """The captured ``phase_start`` records (another optimizer took over; the detectors re-baselined there)."""
+    return tuple(LogEvent(kind="phase_start", step=r.step, rank=r.rank, host=r.host or "", source="records",
+                          message=f"a new training phase at step {r.step}: another optimizer (other parameters) "
+                          "took over; the detectors re-baselined")
+                 for r in records if r.signals.get("phase_start", 0.0) > 0)
 
 
 def _phases(records: Sequence[StepRecord], segments: Sequence[Segment]) -> tuple[Phase, ...]:

@@ -72,6 +72,7 @@ class Run:
     records: list[StepRecord]
     events: list[dict]
     run_dir: Path
+    log_events: tuple = ()
 
     def serious(self) -> list[dict]:
         return [e for e in self.events if e["severity"] in ("warning", "error")]
@@ -90,7 +91,7 @@ def _run(tmp_path: Path, script: Script, fault: str, *extra: str, dies: bool = F
     assert supervisor.wait_stopped(run_dir, 240)  # the local worker finishes the run after the process exits
     records = postmortem.load_run_dir(run_dir)
     result = postmortem.analyze(records, records[0].run_id)
-    return Run(proc, records, result.events, run_dir)
+    return Run(proc, records, result.events, run_dir, result.log_events)
 
 
 def _stability_warnings(stderr: str) -> list[str]:
@@ -352,6 +353,7 @@ def test_forward_forward_second_layer_is_a_new_phase_and_raises_nothing(tmp_path
     run = _run(tmp_path, FORWARD_FORWARD, "none")
     assert [r.step for r in run.records] == list(range(2 * FORWARD_FORWARD.steps - HANDOVER_STEPS + 1))
     assert [r.step for r in run.records if r.signals.get("phase_start")] == [FF_PHASE]
+    assert [(e.kind, e.step) for e in run.log_events] == [("phase_start", FF_PHASE)]  # on the report's timeline
     assert _stability_warnings(run.proc.stderr) == []  # no hang reported while the second layer trains
     assert run.serious() == [], run.serious()
 

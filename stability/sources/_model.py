@@ -23,6 +23,7 @@ EVENT_KINDS: tuple[str, ...] = (
     "nccl_error",        # other NCCL / communication failures
     "crash",             # a Python traceback / fatal error line
     "rank_stopped",      # multi-rank logs: a rank whose log stops while the others go on or wait
+    "phase_start",       # captured runs: another optimizer (other parameters) took over, a new training phase
 )
 """Kinds of :class:`LogEvent`."""
 
