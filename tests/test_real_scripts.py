@@ -117,6 +117,14 @@ def _assert_found(run: Run, script: Script, fault: str) -> None:
     assert early == [], early  # nothing serious before the fault
 
 
+def _assert_named(run: Run, at: int, cause: str, *, kind: str | None = None, slack: int = 0) -> None:
+    """A warning/error with its onset in ``[at, at + slack]`` (of ``kind``, if given) names ``cause`` first, and
+    nothing serious comes before ``at``."""
+    found = [e for e in run.serious() if (kind is None or e["kind"] == kind) and at <= e["onset"] <= at + slack]
+    assert found and found[0]["causes"][0]["cause"] == cause, run.events
+    assert [e for e in run.serious() if e["onset"] < at] == []
+
+
 # ------------------------------------------------------------------------------- word_language_model (hand SGD)
 
 
@@ -277,10 +285,7 @@ def test_time_seq_lbfgs_records_the_loss_lbfgs_returns_and_raises_nothing(tmp_pa
 def test_time_seq_lr_jump_that_ends_in_nan_names_the_lr(tmp_path: Path) -> None:
     run = _run(tmp_path, TIME_SEQ, "lr")
     assert len(run.records) == TIME_SEQ.steps
-    nans = [e for e in run.events if e["kind"] == "nan"]  # LBFGS's first update at 100x the LR overflows
-    assert nans and TIME_SEQ.fault_step <= nans[0]["onset"] <= TIME_SEQ.fault_step + 2, run.events
-    assert nans[0]["causes"][0]["cause"] == "lr_too_high", nans[0]
-    assert [e for e in run.serious() if e["onset"] < TIME_SEQ.fault_step] == []
+    _assert_named(run, TIME_SEQ.fault_step, "lr_too_high", kind="nan", slack=2)  # LBFGS's next update overflows
 
 
 def test_time_seq_nan_in_the_data_is_numerical(tmp_path: Path) -> None:
@@ -307,9 +312,7 @@ def test_reinforce_signed_loss_raises_nothing_and_says_why_once(tmp_path: Path) 
 
 def test_reinforce_lr_jump_is_named(tmp_path: Path) -> None:
     run = _run(tmp_path, REINFORCE, "lr")
-    found = [e for e in run.serious() if e["onset"] == REINFORCE.fault_step]
-    assert found and found[0]["causes"][0]["cause"] == "lr_too_high", run.events
-    assert [e for e in run.serious() if e["onset"] < REINFORCE.fault_step] == []
+    _assert_named(run, REINFORCE.fault_step, "lr_too_high")
 
 
 def test_reinforce_nan_is_found(tmp_path: Path) -> None:
@@ -338,9 +341,7 @@ def test_regression_fault_is_found(tmp_path: Path, fault: str) -> None:
 
 def test_regression_lr_fault_is_found_at_its_step(tmp_path: Path) -> None:
     run = _run(tmp_path, REGRESSION, "lr")  # no LR logged (hand-written update): the runaway names the LR
-    found = [e for e in run.serious() if REGRESSION.fault_step <= e["onset"] <= REGRESSION.fault_step + 3]
-    assert found and found[0]["causes"][0]["cause"] == "lr_too_high", run.events
-    assert [e for e in run.serious() if e["onset"] < REGRESSION.fault_step] == []
+    _assert_named(run, REGRESSION.fault_step, "lr_too_high", slack=3)
 
 
 # ---------------------------------------------------- forward-forward (one optimizer per layer, trained in turn)
@@ -361,8 +362,5 @@ def test_forward_forward_second_layer_is_a_new_phase_and_raises_nothing(tmp_path
 @pytest.mark.parametrize("fault", ["lr", "nan"])
 def test_forward_forward_fault_in_the_second_phase_is_found(tmp_path: Path, fault: str) -> None:
     run = _run(tmp_path, FORWARD_FORWARD, fault)
-    at = FF_PHASE + FORWARD_FORWARD.fault_step - (HANDOVER_STEPS - 1)
     kind, cause, slack = EXPECTED[fault]
-    found = [e for e in run.serious() if e["kind"] == kind and at <= e["onset"] <= at + slack]
-    assert found and found[0]["causes"][0]["cause"] == cause, run.events
-    assert [e for e in run.serious() if e["onset"] < at] == []
+    _assert_named(run, FF_PHASE + FORWARD_FORWARD.fault_step - (HANDOVER_STEPS - 1), cause, kind=kind, slack=slack)
