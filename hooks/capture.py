@@ -333,6 +333,13 @@ class Capture:
         """This is a forked child of the process that attached (the capture is off in it)."""
         self._fork_said = False
         """The warnings filter :meth:`_discover` added (removed with the discovery hooks)."""
+        self._co: list[torch.optim.Optimizer] = []
+        """Other optimizers that step right after the tracked one on the same backward (modded-nanogpt's Adam for
+        the embeddings and head plus Muon for the matrices): their parameters are measured in the same record."""
+        self._finishing = False
+        """The tracked optimizer stepped; the record ends when the last co-stepping optimizer has stepped too."""
+        self._backward_at_end = -1
+        """``_backward_calls`` when the tracked optimizer's step ended (no backward since: a co-stepping window)."""
         self._rediscover = False
         """After a new phase's first step the layout is built again, once the forward hooks saw its model."""
         """id of the other optimizer that stepped since the tracked one last did, and how many times in a row."""
@@ -541,6 +548,8 @@ class Capture:
     @_hook
     def before_backward(self, tensor: torch.Tensor) -> None:
         """A ``backward()`` starts: with no optimizer, the step in progress may have ended (rhythm rules)."""
+        if self._finishing:  # a co-stepping optimizer did not step this time
+            self._end_costep()
         self._backward_calls += 1
         self._perf.timing.backward()
         if not self._manual():
@@ -585,6 +594,8 @@ class Capture:
 
     @_hook
     def _close_pending(self) -> None:
+        if self._finishing:
+            self._end_costep()
         if self._manual() and self._rhythm.confirmed and self._rhythm.backwards > 0:
             self._close_manual("close", grads_intact=True)
 
@@ -664,6 +675,10 @@ class Capture:
             return
         if self._stepping and optimizer is not self._optimizer:
             return  # an optimizer stepped from inside the tracked one's step (a wrapper's inner optimizer)
+        if optimizer is self._optimizer and self._finishing:
+            self._end_costep()  # a co-stepping optimizer skipped this step
+        elif self._costeps(optimizer):
+            return
         if self._adopt(optimizer):
             self._stepping = True
             at = _closure_index(optimizer, args)
@@ -705,7 +720,31 @@ class Capture:
             if state.closure and not state.closure_done:
                 state.closure_done = True
                 self._begin_step(optimizer)
+            if self._co:
+                self._finishing, self._backward_at_end = True, self._backward_calls
+                return
             self._finish_step(optimizer, skipped=None)
+        elif self._finishing and self._co and optimizer is self._co[-1]:
+            self._end_costep()
+
+    def _costeps(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` (not the tracked one) steps on the tracked step's backward: no ``backward()`` since
+        the tracked optimizer stepped (auto mode). The first time, its parameters join the measured ones from the
+        next step on."""
+        if (not self._global_steps or self._optimizer is None or optimizer is self._optimizer
+                or self._backward_calls != self._backward_at_end):
+            return False
+        if optimizer not in self._co:
+            logger.info("stability: optimizer %s steps right after the tracked one on the same gradients; its "
+                        "parameters are measured in the same records", type(optimizer).__name__)
+            self._co.append(optimizer)
+            self._layout, self._layout_has_optimizer = None, False
+        return True
+
+    def _end_costep(self) -> None:
+        """The tracked step's record ends (every co-stepping optimizer stepped, or the next step began)."""
+        self._finishing = False
+        self._finish_step(self._optimizer, skipped=None)
 
     @_hook
     def _on_any_forward_pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -1050,6 +1089,14 @@ class Capture:
         if self._layout is not None and (self._layout_has_optimizer or optimizer is None):
             return
         wanted = optimizer_params(optimizer) if optimizer is not None else params
+        if optimizer is not None and self._co:
+            wanted = list(wanted or [])
+            held = {id(p) for p in wanted}
+            for co in self._co:
+                for p in optimizer_params(co):
+                    if id(p) not in held:
+                        held.add(id(p))
+                        wanted.append(p)
         if not self._roots:
             self._roots = self._discover_roots({id(p) for p in wanted or []})
         previous = self._layout
@@ -1132,6 +1179,7 @@ class Capture:
         """Complete the step: sampled statistics, loss, scaler signals; stage the record; prepare the next step."""
         state, step = self._state, self._step
         self._foreign_run = (0, 0)
+        self._backward_at_end = self._backward_calls
         if self._rediscover:  # the new phase's first step used the parameters without their modules
             self._rediscover = self._layout_has_optimizer = False
         try:
@@ -1172,7 +1220,7 @@ class Capture:
                 state.snapshot = None
         self._param_sq_norms = (self._step, _Unchanged.now(per_tensor, params))
         state.parts.append((layout.names("param_norm"), param_sq.sqrt()))
-        adam = self._adam_state(optimizer, layout.params)
+        adam = self._adam_state([optimizer, *self._co] if optimizer is not None else [], layout.params)
         if adam is not None:
             vs, beta2, steps = adam
             known = state.grad_norms
@@ -1186,16 +1234,20 @@ class Capture:
         self._activation_stats(state)
 
     @staticmethod
-    def _adam_state(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor]) -> tuple[
+    def _adam_state(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]) -> tuple[
             list[torch.Tensor | None], list[float], list[torch.Tensor | float | None]] | None:
         """Adam's ``exp_avg_sq``, ``beta2`` and ``step`` per parameter (None where a parameter has no such state),
-        or None when no parameter has one (not an Adam-family optimizer)."""
-        if optimizer is None:
+        or None when no parameter has one (not an Adam-family optimizer). ``optimizers``: the tracked one and the
+        co-stepping ones (each parameter's state is in the one that holds it)."""
+        if not optimizers:
             return None
-        groups = optimizer.param_groups
+        groups = [g for o in optimizers for g in o.param_groups]
         betas = [float(g.get("betas", (0.9, 0.999))[1]) for g in groups]
-        state = optimizer.state
-        found = [state.get(p) for p in params]
+        if len(optimizers) == 1:
+            state = optimizers[0].state
+            found = [state.get(p) for p in params]
+        else:
+            found = [next((o.state[p] for o in optimizers if p in o.state), None) for p in params]
         vs: list[torch.Tensor | None] = []
         steps: list[torch.Tensor | float | None] = []
         for st in found:

@@ -916,3 +916,49 @@ def test_a_forked_child_that_trains_is_off_and_says_so_once(caplog):
         capture.close()
     assert [r.step for r in sink.records] == [0, 1, 2]  # the parent's three steps only
     assert capture.errors == 0 and not capture._forked
+
+
+def test_optimizers_stepping_together_are_one_record_over_all_their_parameters(caplog):
+    """modded-nanogpt steps an Adam for the embeddings, one for the head and Muon for the matrices, one after the
+    other on the same gradients. The first optimizer sets the step boundary; the others step in its window (no
+    ``backward()`` between), so the record covers every parameter: the global gradient norm, per-module norms
+    and update ratios over all three updates (before: the embeddings only). A co-stepping optimizer that skips a
+    step ends the record at the next ``backward()``."""
+    torch.manual_seed(0)
+    model = make_gpt()
+    embed = [model.wte.weight, model.wpe.weight]
+    head = [p for n, p in model.named_parameters() if n.startswith("ln_f")]
+    rest = [p for p in model.parameters() if all(p is not q for q in (*embed, *head))]
+    opts = [torch.optim.Adam(embed, lr=3e-3), torch.optim.Adam(head, lr=2e-3),
+            torch.optim.SGD(rest, lr=0.05, momentum=0.9)]  # stands in for Muon (no exp_avg_sq)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="co", stats_every=1), sink).attach()
+    want = []
+    with caplog.at_level(logging.INFO, logger="stability.hooks.capture"):
+        try:
+            for step in range(5):
+                lm_loss(model, tokens(step)).backward()
+                total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+                before = {p: p.detach().clone() for p in model.parameters()}
+                for i, opt in enumerate(opts):
+                    if not (step == 3 and i == 2):  # step 3: the matrices' optimizer skips
+                        opt.step()
+                delta = by_module(model, lambda p, before=before: p.detach() - before[p])
+                size = by_module(model, lambda p, before=before: before[p])
+                want.append((total, {n: delta[n] / size[n] for n in delta}))
+                for opt in opts:
+                    opt.zero_grad()
+        finally:
+            capture.close()
+    assert capture.errors == 0
+    assert [r.step for r in sink.records] == list(range(5))
+    assert sum("steps right after the tracked one" in r.getMessage() for r in caplog.records) == 2
+    for record, (total, ratio) in list(zip(sink.records, want, strict=True))[1:]:  # step 0: the embeddings only
+        assert record.get("grad_norm") == pytest.approx(total, rel=1e-5), record.step
+        assert record.get("lr") == pytest.approx(3e-3)
+        got = per_module(record, "update_ratio")
+        assert set(got) == set(ratio)
+        for name, value in ratio.items():
+            assert got[name] == pytest.approx(value, rel=1e-4, abs=1e-12), (record.step, name)
+        assert set(per_module(record, "adam_v_ratio")) <= {"wte", "wpe", "ln_f"}
+    assert per_module(sink.records[3], "update_ratio")["h.0.attn.c_attn"] == 0.0  # its optimizer skipped
