@@ -48,10 +48,16 @@ an optimizer; WARNING without one, which names what it cannot see), and warns wh
 :data:`~stability.hooks.rhythm.BLIND_AFTER` ``backward()`` calls passed with nothing recorded.
 
 Auto mode (``attach()``): ``torch.Tensor.backward``/``torch.autograd.backward`` are patched for the loss (see
-:mod:`stability.hooks.torch_patches`); global optimizer step hooks follow the *first* optimizer that steps, and
-other optimizers are ignored (logged once); global module forward hooks, active only until that first step, note
-the outermost modules that ran forward, and those holding the optimizer's parameters are the model. In auto mode
-the first step therefore has no activation statistics. Explicit mode registers hooks on the given objects only.
+:mod:`stability.hooks.torch_patches`); global optimizer step hooks follow the *first* optimizer that steps. Other
+optimizers: one over the same parameters replaces it (a loop that creates its optimizer again each epoch); those
+stepping right after it on the same gradients (no ``backward()`` between) join its record (:meth:`_costeps`);
+one that steps :data:`HANDOVER_STEPS` times in a row on its own losses while the tracked one does not starts a new
+phase (:meth:`_new_phase`); the rest are ignored (logged once). ``step(closure)`` is one step whose loss and
+gradients are the closure's first call's (:meth:`_closure_step`). Global module forward hooks, active only until
+that first step, note the outermost modules that ran forward, and those holding the optimizer's parameters are the
+model (a ``torch.compile`` wrapper's ``_orig_mod.`` prefix is dropped from names). In auto mode the first step
+therefore has no activation statistics. In a forked child (Hogwild) the capture is off. Explicit mode registers
+hooks on the given objects only.
 
 Hot path: hooks never read a device value on the host. Statistics are computed on the device with fused ops
 (:mod:`stability.hooks.stats`) and copied to the host once per step without blocking
