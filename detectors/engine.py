@@ -271,8 +271,7 @@ class _RankSuite:
         return {"detectors": {d.name: d.state_dict() for d in self.detectors}, "history": self.history.state_dict(),
                 "last_alert": {k: list(v) for k, v in self.last_alert.items()}, "last_step": self.last_step,
                 "records": self.records, "incident_record": self.incident_record, "perf_record": self.perf_record,
-                "host": self.host,
-                "scale": self.scale, "signed": self.signed}
+                "host": self.host, "scale": self.scale, "signed": self.signed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for detector in self.detectors:
@@ -324,9 +323,9 @@ class RunDiagnoser:
         self._fleet: list[Detector] = [StragglerDetector(self.config.straggler), HangDetector(self.config.hang)]
         """Engine-level performance detectors (a straggler rank, a silent rank); a shard's see only its ranks."""
         self._held: list[tuple[int, Finding, float]] = []
+        """(rank, finding, unix time held) waiting for the other ranks to report its step (see :meth:`_release`)."""
         self._revised: list[Finding] = []
         """Alerted incidents whose diagnosis changed since their alert (:meth:`_revise`), to alert again."""
-        """(rank, finding, unix time held) waiting for the other ranks to report its step (see :meth:`_release`)."""
         self.resumes: list[tuple[int, int, int]] = []
         """(rank, last step before, first step after) of every detected resume (step going backwards)."""
 
