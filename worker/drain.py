@@ -60,10 +60,11 @@ from stability.detectors.engine import RunDiagnoser
 from stability.errors import ConfigError, RecordError
 from stability.records import decode_packed
 from stability.redis_url import RedisClient
+from stability.worker._packed import PackedCommand
 from stability.worker.sinks import Entry, Sink
 
-__all__ = ["CONSUMER", "DrainResult", "Drainer", "Diagnoser", "SnapshotPolicy", "committed_clock", "owner_key",
-           "run_ranks"]
+__all__ = ["CONSUMER", "DrainResult", "Drainer", "Diagnoser", "SnapshotPolicy", "commit_due", "committed_clock",
+           "owner_key", "run_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +242,8 @@ class _Context:
     """The ranks of ``ranks`` this drain reads (:meth:`Drainer._select`)."""
     rewrite_state: bool = False
     """The next commit replaces the whole snapshot key (it held a snapshot of the former one-string format)."""
+    read_new: tuple[list[int], PackedCommand] | None = None
+    """The ``XREADGROUP`` of new entries of every rank of ``selected`` (that list), packed once."""
 
 
 _CONTEXTS: dict[str, _Context] = {}
@@ -315,6 +318,7 @@ class Drainer:
             return DrainResult(status="busy")
         ctx: _Context | None = None
         try:
+            self._leased()
             refused = self._refuse()
             if refused is not None:
                 return DrainResult(status=refused)
@@ -352,6 +356,9 @@ class Drainer:
         return ctx
 
     # -- hooks of a sharded run's shard drain (worker.shards.ShardDrainer) ------------------------------------
+
+    def _leased(self) -> None:
+        """The lease was just taken (a shard drain routes the shard's next triggers to this worker)."""
 
     def _refuse(self) -> str | None:
         """A status when this drainer must not drain the run: ``sharded`` for a run whose metadata has
@@ -446,23 +453,8 @@ class Drainer:
                 return result
 
     def _due(self, ctx: _Context, *, idle: bool = False) -> bool:
-        if not ctx.since_commit:
-            return False
-        policy = self.snapshot
-        elapsed = time.monotonic() - ctx.committed_at
-        if ctx.since_commit >= policy.every_records and (
-                ctx.since_commit >= policy.rank_records * len(ctx.unacked) or elapsed >= policy.max_every_s):
-            return True
-        every_s = policy.every_s
-        if idle and policy.idle_s is not None:
-            every_s = min(every_s, policy.idle_s)
-        if every_s > 0 and policy.max_share < 1:
-            # a long last commit puts the next timed one off, measured in this drain's own busy time (a worker
-            # that drains many shards gives each a slice of its time: in wall time a shard's commits could take
-            # most of its slice); each changed rank is then saved for more of its records
-            return elapsed >= every_s and (ctx.busy_s >= ctx.commit_s * (1 / policy.max_share - 1)
-                                           or elapsed >= policy.max_every_s)
-        return elapsed >= every_s
+        return commit_due(self.snapshot, since=ctx.since_commit, units=len(ctx.unacked), committed_at=ctx.committed_at,
+                          busy_s=ctx.busy_s, commit_s=ctx.commit_s, idle=idle)
 
     def _ranks(self, ctx: _Context) -> list[int]:
         """The ranks this drain reads (:func:`run_ranks`, selected again only when the rank set changed)."""
@@ -545,20 +537,40 @@ class Drainer:
                     more[rank] = start
             starts = more
 
+    def _stream_name(self, rank: int) -> bytes:
+        """The rank's record stream name as bytes, built once per process (a shard reads 1,024 per batch)."""
+        name = self._stream_names.get(rank)
+        if name is None:
+            name = self._stream_names[rank] = keys.records(self.run_id, rank).encode()
+        return name
+
     def _read(self, positions: dict[int, str]) -> dict[int, list[tuple[bytes, dict[bytes, bytes]]]]:
         if not positions:
             return {}
-        names = self._stream_names
-        for rank in positions:
-            if rank not in names:
-                names[rank] = keys.records(self.run_id, rank).encode()
-        # stream names as bytes, built once: a shard of 1,024 ranks reads 1,024 streams per batch
+        names = {r: self._stream_name(r) for r in positions}
         streams = {names[r]: pos for r, pos in positions.items()}
         reply = self.client.xreadgroup(keys.GROUP, CONSUMER, streams, count=self.batch)  # type: ignore[arg-type]
         by_stream = dict(reply or [])  # type: ignore[arg-type]
         out = {}
         for rank in positions:
             entries = by_stream.get(names[rank])
+            if entries:
+                out[rank] = entries
+        return out
+
+    def _read_new(self, ranks: list[int], ctx: _Context) -> dict[int, list[tuple[bytes, dict[bytes, bytes]]]]:
+        """New entries of every rank in ``ranks`` (the drain's rank list): the same command on every batch, so it is
+        packed once per rank list (:class:`PackedCommand`)."""
+        if not ranks:
+            return {}
+        if ctx.read_new is None or ctx.read_new[0] is not ranks:
+            names = [self._stream_name(r) for r in ranks]
+            ctx.read_new = ranks, PackedCommand("XREADGROUP", "GROUP", keys.GROUP, CONSUMER, "COUNT", self.batch,
+                                                "STREAMS", *names, *[">"] * len(ranks))
+        by_stream = dict(ctx.read_new[1](self.client) or [])
+        out = {}
+        for rank in ranks:
+            entries = by_stream.get(self._stream_name(rank))
             if entries:
                 out[rank] = entries
         return out
@@ -570,7 +582,7 @@ class Drainer:
         for rank in recovering:
             entries = raw.get(rank)
             ctx.cursors[rank] = _text(entries[-1][0]) if entries else None
-        raw.update(self._read({r: ">" for r in ranks if r not in raw}))
+        raw.update(self._read_new(ranks, ctx) if not raw else self._read({r: ">" for r in ranks if r not in raw}))
         batch = _Batch()
         merged = heapq.merge(
             *([(_id_key(eid), rank, eid, fields) for eid, fields in entries] for rank, entries in raw.items())
@@ -757,6 +769,27 @@ def _stream_names(run_id: str) -> dict[int, bytes]:
             _STREAM_NAMES.clear()
         names = _STREAM_NAMES[run_id] = {}
     return names
+
+
+def commit_due(policy: SnapshotPolicy, *, since: int, units: int, committed_at: float, busy_s: float, commit_s: float,
+               idle: bool = False) -> bool:
+    """Whether a commit is due by ``policy``: ``since`` entries processed over ``units`` ranks (or other units) since
+    the commit at monotonic time ``committed_at``, which took ``commit_s``; ``busy_s`` spent working since; ``idle``:
+    the last read found nothing new."""
+    if not since:
+        return False
+    elapsed = time.monotonic() - committed_at
+    if since >= policy.every_records and (since >= policy.rank_records * units or elapsed >= policy.max_every_s):
+        return True
+    every_s = policy.every_s
+    if idle and policy.idle_s is not None:
+        every_s = min(every_s, policy.idle_s)
+    if every_s > 0 and policy.max_share < 1:
+        # a long last commit puts the next timed one off, measured in this drain's own busy time (a worker that
+        # drains many shards gives each a slice of its time: in wall time a shard's commits could take most of its
+        # slice); each changed rank is then saved for more of its records
+        return elapsed >= every_s and (busy_s >= commit_s * (1 / policy.max_share - 1) or elapsed >= policy.max_every_s)
+    return elapsed >= every_s
 
 
 def committed_clock(wall: float) -> float:

@@ -125,9 +125,11 @@ _OWN_QUEUE: list[str] = []
 
 
 def _affine(run_id: str, shard: int | str, status: str) -> None:
+    """Route the shard's next triggers to this worker (``leased``: its drain took the lease here; ``idle``: it caught
+    up) or to the shared queue (``timeout``: this worker is behind)."""
     if not _OWN_QUEUE:
         return
-    if status == "idle":
+    if status in ("leased", "idle"):
         client().set(keys.shard_affinity(run_id, shard), _OWN_QUEUE[0], px=AFFINITY_MS)
     elif status == "timeout":
         client().delete(keys.shard_affinity(run_id, shard))
@@ -308,12 +310,15 @@ def drain_shard(run_id: str, shard: int, size: int) -> str:
     result = ShardDrainer(
         client(), run_id, shard, size, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms,
         max_seconds=settings.drain_s, snapshot=_snapshot_policy(),
+        on_lease=functools.partial(_affine, run_id, shard, "leased"),
     ).run()
     _log(f"{run_id} shard {shard}", result)
     _affine(run_id, shard, result.status)
     if result.processed:  # new summaries: the cross-rank stage now, not at the next sweep
-        _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size,
-                 affinity=keys.shard_affinity(run_id, keys.CROSSRANK))
+        stage = keys.shard_affinity(run_id, keys.CROSSRANK)
+        if not _OWN_QUEUE or _text(client().get(stage)) != _OWN_QUEUE[0] or _stage(run_id, size).status == "busy":
+            # in this process if the stage's state is here (else it would load the other worker's snapshot)
+            _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size, affinity=stage)
     return result.status
 
 
@@ -321,14 +326,29 @@ def drain_shard(run_id: str, shard: int, size: int) -> str:
 def crossrank(run_id: str, size: int) -> str:
     """Run the cross-rank stage of a sharded run (:class:`~stability.worker.crossrank_stage.CrossRankStage`)."""
     client().delete(keys.shard_trigger(run_id, keys.CROSSRANK))
+    return _stage(run_id, size).status
+
+
+def _stage(run_id: str, size: int) -> DrainResult:
+    """The cross-rank stage of a sharded run, in this process (the ``crossrank`` task; a shard drain that summarized
+    records runs it at once too); returns at once if another worker runs it."""
     result = CrossRankStage(
         client(), run_id, size, sinks=sinks(), lease_ms=settings.lease_ms, max_seconds=settings.drain_s,
-        snapshot=_snapshot_policy(),
+        snapshot=_snapshot_policy(), on_lease=functools.partial(_affine, run_id, keys.CROSSRANK, "leased"),
+        on_release=functools.partial(_release, run_id, size),
     ).run()
     _log(f"{run_id} cross-rank", result)
     _affine(run_id, keys.CROSSRANK, result.status)
-    if result.processed:  # more steps decided: the shards release their held findings now, not at the next sweep
-        for shard in shards_of(run_ranks(client(), run_id), size):
-            _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size,
-                     affinity=keys.shard_affinity(run_id, shard))
-    return result.status
+    return result
+
+
+def _release(run_id: str, size: int, shards: list[int]) -> None:
+    """The cross-rank stage decided the step of findings these shards hold: drain them now (they release them), not
+    at the next sweep."""
+    for shard in shards:
+        _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size,
+                 affinity=keys.shard_affinity(run_id, shard))
+
+
+def _text(raw: Any) -> str | None:
+    return raw.decode() if isinstance(raw, bytes) else raw
