@@ -30,6 +30,7 @@ When every shard has ended and every summary is consumed it decides the remainin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -51,6 +52,7 @@ from stability.detectors.history import History
 from stability.detectors.ranking import rank_causes
 from stability.records import StepRecord
 from stability.redis_url import RedisClient
+from stability.worker._keeper import lease_kept
 from stability.worker.drain import (
     _EXTEND,
     _RELEASE,
@@ -164,13 +166,11 @@ class CrossRankStage:
             return DrainResult(status="busy")
         if self._on_lease is not None:
             self._on_lease()
-        done = threading.Event()
-        keeper = threading.Thread(target=self._keep, args=(token, done), name=f"stability-lease-{self.run_id}#x",
-                                  daemon=True)
-        keeper.start()  # a slow loop (busy CPU, a big finish) must not lose the lease midway
         try:
-            st = self._resume()
-            result = self._loop(token, st)
+            # a slow loop (busy CPU, a big finish) must not lose the lease midway
+            with lease_kept(functools.partial(self._renew, token), self.lease_ms / 3000):
+                st = self._resume()
+                result = self._loop(token, st)
             with _STATES_LOCK:
                 _STATES[self.run_id] = st
                 while len(_STATES) > 256:
@@ -180,17 +180,7 @@ class CrossRankStage:
             logger.warning("%s: cross-rank lease lost; the next call resumes from the snapshot", self.run_id)
             return DrainResult(status="lease_lost")
         finally:
-            done.set()
-            keeper.join()
             self.client.execute_command("EVAL", _RELEASE, 1, self._lock, token)
-
-    def _keep(self, token: str, done: threading.Event) -> None:
-        """Renew the lease every third of its time until ``done``."""
-        while not done.wait(self.lease_ms / 3000):
-            try:
-                self._renew(token)
-            except (_LeaseLost, redis.RedisError):
-                return
 
     def _renew(self, token: str) -> None:
         if not self.client.execute_command("EVAL", _EXTEND, 1, self._lock, token, self.lease_ms):

@@ -42,6 +42,7 @@ Malformed entries (not decodable, missing field ``r``, wrong run) are never retr
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import logging
 import secrets
@@ -60,6 +61,7 @@ from stability.detectors.engine import RunDiagnoser
 from stability.errors import ConfigError, RecordError
 from stability.records import decode_packed
 from stability.redis_url import RedisClient
+from stability.worker._keeper import lease_kept
 from stability.worker._packed import PackedCommand
 from stability.worker.sinks import Entry, Sink
 
@@ -676,25 +678,9 @@ class Drainer:
         logger.info("%s: drained (%d findings at finish)", self._context_key, len(findings))
         return findings
 
-    @contextlib.contextmanager
-    def _lease_kept(self, token: str) -> Any:
-        """Renew the lease every third of its time on a background thread while the body runs."""
-        done = threading.Event()
-
-        def keep() -> None:
-            while not done.wait(self.lease_ms / 3000):
-                try:
-                    self._renew(token)
-                except (_LeaseLost, redis.RedisError):
-                    return
-
-        thread = threading.Thread(target=keep, name=f"stability-lease-{self._context_key}", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
+    def _lease_kept(self, token: str) -> contextlib.AbstractContextManager[None]:
+        """Renew the lease every third of its time on the process's lease keeper thread while the body runs."""
+        return lease_kept(functools.partial(self._renew, token), self.lease_ms / 3000)
 
     def _transaction(self, token: str, ctx: _Context, ops: Callable[[Any], None]) -> list[Any]:
         """Save the snapshot + ``ops`` in MULTI/EXEC if the lease is still ours; returns the replies of ``ops``.
