@@ -248,6 +248,9 @@ class _Context:
     """The ``XREADGROUP`` of new entries of every rank of ``selected`` (that list), packed once."""
 
 
+_RANK_COMMIT_S = [0.0]
+"""Seconds per rank the last commit in this process took (what a context's first commit is expected to cost)."""
+
 _CONTEXTS: dict[str, _Context] = {}
 """Runs this process drained last, by run id, least recently used first (a run that never finishes is evicted)."""
 _CONTEXTS_LOCK = threading.Lock()
@@ -455,8 +458,11 @@ class Drainer:
                 return result
 
     def _due(self, ctx: _Context, *, idle: bool = False) -> bool:
+        # a context that never committed expects what commits cost per rank in this process (else the 16 shards of a
+        # 16,384-rank run all packed their first snapshot 5 s in: 16 x ~0.6 s in the next step's window)
+        commit_s = ctx.commit_s or _RANK_COMMIT_S[0] * len(ctx.unacked)
         return commit_due(self.snapshot, since=ctx.since_commit, units=len(ctx.unacked), committed_at=ctx.committed_at,
-                          busy_s=ctx.busy_s, commit_s=ctx.commit_s, idle=idle)
+                          busy_s=ctx.busy_s, commit_s=commit_s, idle=idle)
 
     def _ranks(self, ctx: _Context) -> list[int]:
         """The ranks this drain reads (:func:`run_ranks`, selected again only when the rank set changed)."""
@@ -667,6 +673,8 @@ class Drainer:
         ctx.unacked, ctx.rejects, ctx.since_commit = {}, [], 0
         ctx.committed_at = time.monotonic()
         ctx.commit_s, ctx.busy_s = ctx.committed_at - started, 0.0
+        if unacked:
+            _RANK_COMMIT_S[0] = ctx.commit_s / len(unacked)
 
     def _finish(self, token: str, ctx: _Context, result: DrainResult) -> list[Finding]:
         findings = ctx.diag.finish()

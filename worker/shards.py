@@ -22,7 +22,9 @@ complete with only the other shards' ranks.
 **Held findings.** A shard's warning/error findings wait until the cross-rank stage has decided their step
 (``keys.crossrank`` field ``decided``) and are then ranked, in the shard, with that step's verdict on the rank
 (``keys.verdicts``), so the first alert of a faulty rank names ``hardware_fault`` as in an unsharded run. The shard
-ranks them itself because ranking needs the rank's history, which only the shard has.
+ranks them itself because ranking needs the rank's history, which only the shard has. While it holds any, the
+shard's watermark hash carries ``held`` (the oldest held step, written with the summaries): the cross-rank stage
+triggers this shard's drain as soon as it decides that step.
 
 **End of the run.** A shard whose ranks all ended marks itself ``ended`` and waits for the cross-rank stage to
 finish (its ``finish`` decides the last steps); then it flushes its detectors and marks ``shard_done:<shard>`` in

@@ -327,7 +327,7 @@ def drain_shard(run_id: str, shard: int, size: int) -> str:
     _affine(run_id, shard, result.status)
     if result.processed:  # new summaries: the cross-rank stage now, not at the next sweep
         stage = keys.shard_affinity(run_id, keys.CROSSRANK)
-        if not _OWN_QUEUE or _text(client().get(stage)) != _OWN_QUEUE[0] or _stage(run_id, size).status == "busy":
+        if not _OWN_QUEUE or client().get(stage) != _OWN_QUEUE[0].encode() or _stage(run_id, size).status == "busy":
             # in this process if the stage's state is here (else it would load the other worker's snapshot)
             _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size, affinity=stage)
     return result.status
@@ -363,7 +363,3 @@ def _shard_triggers(run_id: str, size: int, shards: list[int]) -> list[tuple[str
     """The :func:`_trigger_all` items of ``drain_shard`` for ``shards``."""
     return [(keys.shard_trigger(run_id, shard), drain_shard, (run_id, shard, size), keys.shard_affinity(run_id, shard))
             for shard in shards]
-
-
-def _text(raw: Any) -> str | None:
-    return raw.decode() if isinstance(raw, bytes) else raw
