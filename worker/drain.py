@@ -244,8 +244,8 @@ class _Context:
     """The ranks of ``ranks`` this drain reads (:meth:`Drainer._select`)."""
     rewrite_state: bool = False
     """The next commit replaces the whole snapshot key (it held a snapshot of the former one-string format)."""
-    read_new: tuple[list[int], PackedCommand] | None = None
-    """The ``XREADGROUP`` of new entries of every rank of ``selected`` (that list), packed once."""
+    read_new: tuple[list[int], int, PackedCommand] | None = None
+    """The ``XREADGROUP`` of new entries of every rank of ``selected`` (that list, that batch size), packed once."""
 
 
 _RANK_COMMIT_S = [0.0]
@@ -571,11 +571,11 @@ class Drainer:
         packed once per rank list (:class:`PackedCommand`)."""
         if not ranks:
             return {}
-        if ctx.read_new is None or ctx.read_new[0] is not ranks:
+        if ctx.read_new is None or ctx.read_new[0] is not ranks or ctx.read_new[1] != self.batch:
             names = [self._stream_name(r) for r in ranks]
-            ctx.read_new = ranks, PackedCommand("XREADGROUP", "GROUP", keys.GROUP, CONSUMER, "COUNT", self.batch,
-                                                "STREAMS", *names, *[">"] * len(ranks))
-        by_stream = dict(ctx.read_new[1](self.client) or [])
+            ctx.read_new = ranks, self.batch, PackedCommand("XREADGROUP", "GROUP", keys.GROUP, CONSUMER, "COUNT",
+                                                            self.batch, "STREAMS", *names, *[">"] * len(ranks))
+        by_stream = dict(ctx.read_new[2](self.client) or [])
         out = {}
         for rank in ranks:
             entries = by_stream.get(self._stream_name(rank))
