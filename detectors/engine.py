@@ -391,6 +391,11 @@ class RunDiagnoser:
             alerts += self._fuse(self._suite(finding.rank), finding.rank, [finding])
         return self._with_revisions(alerts)
 
+    def oldest_held(self) -> int | None:
+        """Step of the oldest finding held back for the other ranks' reports or the cross-rank verdict (None:
+        none)."""
+        return min((finding.step for _, finding, _ in self._held), default=None)
+
     def release(self) -> list[Finding]:
         """Fuse and return the held findings that became decidable (a sharded run's shard calls this when the
         cross-rank stage decided more steps while no record of the shard arrived)."""

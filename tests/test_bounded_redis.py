@@ -167,10 +167,12 @@ def test_snapshot_cadence_by_entries_per_moved_rank(redis_client: Any, rank_reco
 
 
 @pytest.mark.parametrize("max_share", [1.0, 1e-6])
-def test_a_long_commit_puts_the_next_timed_one_off(redis_client: Any, max_share: float) -> None:
+def test_a_long_commit_puts_the_next_timed_one_off(redis_client: Any, max_share: float,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """``max_share``: after a commit that took c seconds, the next timed commit waits c / max_share (here: any
     commit takes far more than 0.1 us, so 1e-6 puts the next one off by > 0.1 s ... up to max_every_s); 1 is off.
     Entries processed since stay pending (acked by a later commit, re-processed from the snapshot after a crash)."""
+    monkeypatch.setattr(drain_module, "_RANK_COMMIT_S", [0.0])  # no commit in this process yet: the first is due
     for step in range(40):
         xadd(redis_client, record(step))
     policy = SnapshotPolicy(every_s=1e-9, every_records=10**9, max_share=max_share, max_every_s=3600)
@@ -185,6 +187,23 @@ def test_a_long_commit_puts_the_next_timed_one_off(redis_client: Any, max_share:
     result = Drainer(redis_client, RUN, sinks=[], diagnoser=Recorder, snapshot=policy).run()
     assert result.status == "drained" and pending(redis_client, 0) == 0  # the end of the run always commits
     assert saved_state(redis_client)["steps"]["0"] == list(range(40))
+
+def test_a_first_commit_expects_what_commits_cost_in_this_process(redis_client: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A context that never committed expects its first commit to cost what the last commit in this process cost
+    per rank (else the 16 shards of a 16,384-rank run all packed their first snapshot in the next step's window),
+    still at most ``max_every_s`` later; the end of the run commits regardless."""
+    monkeypatch.setattr(drain_module, "_RANK_COMMIT_S", [10.0])  # a commit here just took 10 s per rank
+    for step in range(40):
+        xadd(redis_client, record(step))
+    policy = SnapshotPolicy(every_s=1e-9, every_records=10**9, max_every_s=3600)
+    result = Drainer(redis_client, RUN, sinks=[], batch=8, diagnoser=Recorder, snapshot=policy).run()
+    assert result.processed == 40 and result.committed == 0 and pending(redis_client, 0) == 40
+    redis_client.hset(keys.meta(RUN), "ended:0", "1")
+    result = Drainer(redis_client, RUN, sinks=[], diagnoser=Recorder, snapshot=policy).run()
+    assert result.status == "drained" and pending(redis_client, 0) == 0
+    assert drain_module._RANK_COMMIT_S[0] < 10.0  # measured again by that commit
+
 
 def test_snapshot_cadence_by_time_and_at_finish(redis_client: Any) -> None:
     for step in range(6):

@@ -135,6 +135,33 @@ def test_held_finding_carries_the_cross_rank_verdict(redis_client: Any, fresh_pr
     assert [c["cause"] for c in nan["causes"]] == ["numerical_nan", "hardware_fault"]
 
 
+def test_the_stage_hands_a_held_shard_over_when_it_decides_the_step(redis_client: Any,
+                                                                   fresh_process_state: None) -> None:
+    """A shard holding a finding marks the step (``held`` in its summary watermark); the cross-rank stage calls
+    ``on_release`` with that shard as soon as it decides the step, and the shard's next drain releases the finding,
+    ranked with the verdict, and clears the mark."""
+    write_run(redis_client, "rel", range(STEPS))
+    redis_client.hset(keys.meta("rel"), "shard_size", "4")
+    sinks = [RedisFindingsSink(redis_client)]
+    released: list[int] = []
+    leased: list[int] = []
+    nan_shard = ShardDrainer(redis_client, "rel", 0, 4, sinks=sinks, on_lease=lambda: leased.append(0))
+    nan_shard.run()
+    held = redis_client.hget(keys.summary_pos("rel", 0), "held")
+    assert held is not None and int(held) <= NAN_STEP and leased == [0]
+    assert "nan" not in {f["kind"] for f in findings(redis_client, "rel")}
+    CrossRankStage(redis_client, "rel", 4, sinks=sinks, on_release=released.extend).run()
+    assert released == []  # shard 1 has not summarized its ranks: nothing decided yet
+    ShardDrainer(redis_client, "rel", 1, 4, sinks=sinks).run()
+    CrossRankStage(redis_client, "rel", 4, sinks=sinks, on_release=released.extend).run()
+    assert 0 in released
+    nan_shard.run()
+    nan = next(f for f in findings(redis_client, "rel") if f["kind"] == "nan")
+    assert (nan["rank"], nan["step"]) == (NAN_RANK, NAN_STEP)
+    assert [c["cause"] for c in nan["causes"]] == ["numerical_nan", "hardware_fault"]
+    assert redis_client.hget(keys.summary_pos("rel", 0), "held") is None
+
+
 def test_cross_rank_stage_killed_before_its_commit_repeats_nothing(redis_client: Any,
                                                                   fresh_process_state: None) -> None:
     """The stage fed summaries and published verdicts but never committed (its process died): the next stage
@@ -360,6 +387,9 @@ def test_a_shard_drain_that_caught_up_routes_the_next_trigger_to_its_worker(
     trigger()
     tasks._affine("big", 3, "timeout")
     trigger()
+    tasks._affine("big", 3, "leased")  # a drain took the shard's lease here: triggers sent meanwhile come here too
+    trigger()
     assert sent == [(("big", 3, 16), None), (("big", 3, 16), "stability.worker.w9@host"),
-                    (("big", 3, 16), "stability.worker.w9@host"), (("big", 3, 16), None)]
+                    (("big", 3, 16), "stability.worker.w9@host"), (("big", 3, 16), None),
+                    (("big", 3, 16), "stability.worker.w9@host")]
     assert "{big}" in key  # the shard lease's hash slot

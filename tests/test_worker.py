@@ -266,6 +266,26 @@ def test_lease_excludes_a_concurrent_drainer(redis_client: Any) -> None:
     assert not redis_client.exists(keys.lock(RUN))  # released
 
 
+def test_a_batch_slower_than_the_lease_keeps_it(redis_client: Any) -> None:
+    """The process's lease keeper thread renews the lease of a batch that runs for several lease times (a slow sink):
+    the drain commits, and meanwhile another drainer finds the run busy."""
+    for step in range(5):
+        xadd(redis_client, record(step))
+    seen: list[str] = []
+
+    class Slow(ListSink):
+        def emit(self, run_id: str, findings: Any, records: Any) -> None:
+            deadline = time.monotonic() + 1.2  # four lease times
+            while time.monotonic() < deadline:
+                seen.append(Drainer(redis_client, RUN, sinks=[], lease_ms=300, snapshot=EVERY).run().status)
+                time.sleep(0.1)
+
+    result = Drainer(redis_client, RUN, sinks=[Slow()], lease_ms=300, diagnoser=Recorder, snapshot=EVERY).run()
+    assert result.status == "idle" and result.committed == 5
+    assert set(seen) == {"busy"} and len(seen) >= 10
+    assert pending(redis_client, 0) == 0
+
+
 def test_lost_lease_commits_nothing(redis_client: Any) -> None:
     for step in range(5):
         xadd(redis_client, record(step))

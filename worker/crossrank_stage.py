@@ -13,11 +13,15 @@ One :class:`CrossRankStage` call (Celery task ``crossrank(run_id)``) takes the s
 3. publishes its ``rank_disagreement`` findings through the sinks (ranked: ``hardware_fault``; a rank is alerted
    again only ``cooldown_steps`` after its last alert, as the unsharded engine's incident fusion does), writes the
    verdicts of every decided step (``keys.verdicts``) and then the decided step (``keys.crossrank`` field
-   ``decided``) for the shards' held findings;
-4. commits at most every snapshot period: its snapshot (detector state, stream positions, buffer) and an
-   ``XTRIM MINID`` of each summary stream below its position in one ``MULTI/EXEC`` guarded by its lease. A stage
-   killed before the commit re-reads the same summaries from the same state: the verdicts and findings it writes
-   again are the same (idempotent sinks; the verdict hash is overwritten with equal values).
+   ``decided``) for the shards' held findings, and hands the shards whose ``held`` mark (``keys.summary_pos``: the
+   oldest step a shard holds a finding of) is now decided to ``on_release`` (the worker triggers their drains at
+   once, which release the findings);
+4. commits by the drainer's cadence (:func:`~stability.worker.drain.commit_due`: every snapshot period, put off
+   while the last commit's cost exceeds its share of the stage's busy time): its snapshot (detector state, stream
+   positions, buffer) and an ``XTRIM MINID`` of each summary stream below its position in one ``MULTI/EXEC``
+   guarded by its lease. A stage killed before the commit re-reads the same summaries from the same state: the
+   verdicts and findings it writes again are the same (idempotent sinks; the verdict hash is overwritten with equal
+   values).
 
 When every shard has ended and every summary is consumed it decides the remaining steps (``finish``), marks
 ``done`` and finalizes the run once every shard is done (:func:`~stability.worker.shards.finalize_run`).
@@ -26,13 +30,14 @@ When every shard has ended and every summary is consumed it decides the remainin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +52,7 @@ from stability.detectors.history import History
 from stability.detectors.ranking import rank_causes
 from stability.records import StepRecord
 from stability.redis_url import RedisClient
+from stability.worker._keeper import lease_kept
 from stability.worker.drain import (
     _EXTEND,
     _RELEASE,
@@ -54,6 +60,7 @@ from stability.worker.drain import (
     DrainResult,
     SnapshotPolicy,
     _LeaseLost,
+    commit_due,
     committed_clock,
     run_ranks,
 )
@@ -85,6 +92,10 @@ class _State:
     done: bool = False
     since_commit: int = 0
     committed_at: float = field(default_factory=time.monotonic)
+    commit_s: float = 0.0
+    """How long the last commit took."""
+    busy_s: float = 0.0
+    """Time spent reading and feeding since the last commit (:func:`~stability.worker.drain.commit_due`)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": 1, "det": self.det.state_dict(), "pos": [[s, p] for s, p in self.pos.items()],
@@ -122,11 +133,16 @@ class CrossRankStage:
         config: Detector settings (its ``crossrank`` and ``cooldown_steps`` are used).
         max_wait_s: A summary waits at most this long for the slower shards before it is fed.
         read_count: Summary entries read per shard and loop.
+        on_lease: Called once the stage's lease is taken (shard affinity of the stage).
+        on_release: Called with the shards whose held findings became decidable, right when the stage decided
+            their step (the worker triggers their drains).
     """
 
     def __init__(self, client: RedisClient, run_id: str, size: int, *, sinks: Sequence[Sink], lease_ms: int = 30_000,
                  max_seconds: float = 20.0, snapshot: SnapshotPolicy | None = None,
-                 config: DiagnoserConfig | None = None, max_wait_s: float = 60.0, read_count: int = 200) -> None:
+                 config: DiagnoserConfig | None = None, max_wait_s: float = 60.0, read_count: int = 200,
+                 on_lease: Callable[[], None] | None = None,
+                 on_release: Callable[[list[int]], None] | None = None) -> None:
         self.client = client
         self.run_id = run_id
         self.size = size
@@ -140,19 +156,21 @@ class CrossRankStage:
         self._lock = keys.shard_lock(run_id, keys.CROSSRANK)
         self._state_key = keys.shard_state(run_id, keys.CROSSRANK)
         self._owner = f"{self._lock}:owner"
+        self._on_lease = on_lease
+        self._on_release = on_release
 
     def run(self) -> DrainResult:
         """Consume the summaries until caught up, finished or out of time; return at once if the lease is busy."""
         token = secrets.token_hex(16)
         if not self.client.set(self._lock, token, nx=True, px=self.lease_ms):
             return DrainResult(status="busy")
-        done = threading.Event()
-        keeper = threading.Thread(target=self._keep, args=(token, done), name=f"stability-lease-{self.run_id}#x",
-                                  daemon=True)
-        keeper.start()  # a slow loop (busy CPU, a big finish) must not lose the lease midway
+        if self._on_lease is not None:
+            self._on_lease()
         try:
-            st = self._resume()
-            result = self._loop(token, st)
+            # a slow loop (busy CPU, a big finish) must not lose the lease midway
+            with lease_kept(functools.partial(self._renew, token), self.lease_ms / 3000):
+                st = self._resume()
+                result = self._loop(token, st)
             with _STATES_LOCK:
                 _STATES[self.run_id] = st
                 while len(_STATES) > 256:
@@ -162,17 +180,7 @@ class CrossRankStage:
             logger.warning("%s: cross-rank lease lost; the next call resumes from the snapshot", self.run_id)
             return DrainResult(status="lease_lost")
         finally:
-            done.set()
-            keeper.join()
             self.client.execute_command("EVAL", _RELEASE, 1, self._lock, token)
-
-    def _keep(self, token: str, done: threading.Event) -> None:
-        """Renew the lease every third of its time until ``done``."""
-        while not done.wait(self.lease_ms / 3000):
-            try:
-                self._renew(token)
-            except (_LeaseLost, redis.RedisError):
-                return
 
     def _renew(self, token: str) -> None:
         if not self.client.execute_command("EVAL", _EXTEND, 1, self._lock, token, self.lease_ms):
@@ -201,6 +209,7 @@ class CrossRankStage:
             return result
         deadline = time.monotonic() + self.max_seconds
         while True:
+            started = time.monotonic()
             self._renew(token)
             ranks = run_ranks(self.client, self.run_id)
             shards = shards_of(ranks, self.size)
@@ -208,20 +217,23 @@ class CrossRankStage:
             read = self._read(st, shards)
             limit = min((m[0] for m in marks.values()), default=_INF)
             ended = bool(shards) and all(m[1] for m in marks.values())
+            decided = st.det.decided
             fed, found, verdicts = self._feed(st, limit, len(ranks), everything=ended and not read)
             if found:
                 for sink in self.sinks:
                     sink.emit(self.run_id, found, [])
             if fed or verdicts:
                 self._publish(st, verdicts)
+                self._release_held(shards, decided, st.det.decided)
             st.since_commit += read + fed
+            st.busy_s += time.monotonic() - started
             result.processed += fed
             result.findings += found
             if not read and not fed:
                 if ended and not st.buffer:
                     self._finish(token, st, result)
                     return result
-                if self._due(st):
+                if self._due(st, idle=True):
                     self._commit(token, st)
                 return result
             if self._due(st):
@@ -233,15 +245,14 @@ class CrossRankStage:
     def _watermarks(self, shards: list[int]) -> dict[int, tuple[tuple[int, int], bool]]:
         """Per shard: (entry id up to which it has summarized everything, whether it ended)."""
         pipe = self.client.pipeline(transaction=False)
-        for shard in shards:
-            pipe.hgetall(keys.summary_pos(self.run_id, shard))
+        for shard in shards:  # not HGETALL: the hash also holds a watermark per rank (1,024 fields per shard)
+            pipe.hmget(keys.summary_pos(self.run_id, shard), ["ended", "idle", "progress"])
         out = {}
-        for shard, raw in zip(shards, pipe.execute(), strict=True):
-            ended = raw.get(b"ended") == b"1"
-            if ended or raw.get(b"idle") == b"1":
-                out[shard] = (_INF, ended)
-            elif b"progress" in raw:
-                out[shard] = (id_key(raw[b"progress"]), False)
+        for shard, (ended, idle, progress) in zip(shards, pipe.execute(), strict=True):
+            if ended == b"1" or idle == b"1":
+                out[shard] = (_INF, ended == b"1")
+            elif progress is not None:
+                out[shard] = (id_key(progress), False)
             else:
                 out[shard] = ((-1, -1), False)  # never drained yet
         return out
@@ -319,6 +330,18 @@ class CrossRankStage:
         pipe.hset(keys.crossrank(self.run_id), mapping=fields)  # type: ignore[arg-type]
         pipe.execute()
 
+    def _release_held(self, shards: list[int], before: int, decided: int) -> None:
+        """If the decided step moved from ``before`` to ``decided``: hand the shards whose held findings wait for a
+        step up to ``decided`` (their ``held`` mark) to ``on_release``, right after the decision is published."""
+        if self._on_release is None or decided <= before:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for shard in shards:
+            pipe.hget(keys.summary_pos(self.run_id, shard), "held")
+        ready = [s for s, held in zip(shards, pipe.execute(), strict=True) if held is not None and int(held) <= decided]
+        if ready:
+            self._on_release(ready)
+
     def _finish(self, token: str, st: _State, result: DrainResult) -> None:
         found = self._alerts(st, st.det.finish())
         verdicts = st.det.verdicts()
@@ -335,12 +358,15 @@ class CrossRankStage:
 
     # -- committing ------------------------------------------------------------------------------------------
 
-    def _due(self, st: _State) -> bool:
-        return bool(st.since_commit) and (st.since_commit >= self.snapshot.every_records
-                                          or time.monotonic() - st.committed_at >= self.snapshot.every_s)
+    def _due(self, st: _State, *, idle: bool = False) -> bool:
+        # the drainer's cadence: a commit packs every rank's cross-rank state (~0.5 s at 16,384 ranks), so with a
+        # large run the next one waits for its share of busy time, not every 5,000 summaries (3 per step there)
+        return commit_due(self.snapshot, since=st.since_commit, units=len(st.last), committed_at=st.committed_at,
+                          busy_s=st.busy_s, commit_s=st.commit_s, idle=idle)
 
     def _commit(self, token: str, st: _State) -> None:
         """Snapshot + trim of the consumed summary entries in one transaction, if the lease is still ours."""
+        started = time.monotonic()
         state = msgpack.packb(st.state_dict(), use_bin_type=True)
         with self.client.pipeline(transaction=True) as pipe:
             try:
@@ -358,3 +384,4 @@ class CrossRankStage:
                 raise _LeaseLost from None
         st.since_commit = 0
         st.committed_at = time.monotonic()
+        st.commit_s, st.busy_s = st.committed_at - started, 0.0

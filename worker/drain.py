@@ -42,6 +42,7 @@ Malformed entries (not decodable, missing field ``r``, wrong run) are never retr
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import logging
 import secrets
@@ -60,10 +61,12 @@ from stability.detectors.engine import RunDiagnoser
 from stability.errors import ConfigError, RecordError
 from stability.records import decode_packed
 from stability.redis_url import RedisClient
+from stability.worker._keeper import lease_kept
+from stability.worker._packed import PackedCommand
 from stability.worker.sinks import Entry, Sink
 
-__all__ = ["CONSUMER", "DrainResult", "Drainer", "Diagnoser", "SnapshotPolicy", "committed_clock", "owner_key",
-           "run_ranks"]
+__all__ = ["CONSUMER", "DrainResult", "Drainer", "Diagnoser", "SnapshotPolicy", "commit_due", "committed_clock",
+           "owner_key", "run_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +244,12 @@ class _Context:
     """The ranks of ``ranks`` this drain reads (:meth:`Drainer._select`)."""
     rewrite_state: bool = False
     """The next commit replaces the whole snapshot key (it held a snapshot of the former one-string format)."""
+    read_new: tuple[list[int], int, PackedCommand] | None = None
+    """The ``XREADGROUP`` of new entries of every rank of ``selected`` (that list, that batch size), packed once."""
 
+
+_RANK_COMMIT_S = [0.0]
+"""Seconds per rank the last commit in this process took (what a context's first commit is expected to cost)."""
 
 _CONTEXTS: dict[str, _Context] = {}
 """Runs this process drained last, by run id, least recently used first (a run that never finishes is evicted)."""
@@ -315,6 +323,7 @@ class Drainer:
             return DrainResult(status="busy")
         ctx: _Context | None = None
         try:
+            self._leased()
             refused = self._refuse()
             if refused is not None:
                 return DrainResult(status=refused)
@@ -352,6 +361,9 @@ class Drainer:
         return ctx
 
     # -- hooks of a sharded run's shard drain (worker.shards.ShardDrainer) ------------------------------------
+
+    def _leased(self) -> None:
+        """The lease was just taken (a shard drain routes the shard's next triggers to this worker)."""
 
     def _refuse(self) -> str | None:
         """A status when this drainer must not drain the run: ``sharded`` for a run whose metadata has
@@ -446,23 +458,11 @@ class Drainer:
                 return result
 
     def _due(self, ctx: _Context, *, idle: bool = False) -> bool:
-        if not ctx.since_commit:
-            return False
-        policy = self.snapshot
-        elapsed = time.monotonic() - ctx.committed_at
-        if ctx.since_commit >= policy.every_records and (
-                ctx.since_commit >= policy.rank_records * len(ctx.unacked) or elapsed >= policy.max_every_s):
-            return True
-        every_s = policy.every_s
-        if idle and policy.idle_s is not None:
-            every_s = min(every_s, policy.idle_s)
-        if every_s > 0 and policy.max_share < 1:
-            # a long last commit puts the next timed one off, measured in this drain's own busy time (a worker
-            # that drains many shards gives each a slice of its time: in wall time a shard's commits could take
-            # most of its slice); each changed rank is then saved for more of its records
-            return elapsed >= every_s and (ctx.busy_s >= ctx.commit_s * (1 / policy.max_share - 1)
-                                           or elapsed >= policy.max_every_s)
-        return elapsed >= every_s
+        # a context that never committed expects what commits cost per rank in this process (else the 16 shards of a
+        # 16,384-rank run all packed their first snapshot 5 s in: 16 x ~0.6 s in the next step's window)
+        commit_s = ctx.commit_s or _RANK_COMMIT_S[0] * len(ctx.unacked)
+        return commit_due(self.snapshot, since=ctx.since_commit, units=len(ctx.unacked), committed_at=ctx.committed_at,
+                          busy_s=ctx.busy_s, commit_s=commit_s, idle=idle)
 
     def _ranks(self, ctx: _Context) -> list[int]:
         """The ranks this drain reads (:func:`run_ranks`, selected again only when the rank set changed)."""
@@ -545,20 +545,40 @@ class Drainer:
                     more[rank] = start
             starts = more
 
+    def _stream_name(self, rank: int) -> bytes:
+        """The rank's record stream name as bytes, built once per process (a shard reads 1,024 per batch)."""
+        name = self._stream_names.get(rank)
+        if name is None:
+            name = self._stream_names[rank] = keys.records(self.run_id, rank).encode()
+        return name
+
     def _read(self, positions: dict[int, str]) -> dict[int, list[tuple[bytes, dict[bytes, bytes]]]]:
         if not positions:
             return {}
-        names = self._stream_names
-        for rank in positions:
-            if rank not in names:
-                names[rank] = keys.records(self.run_id, rank).encode()
-        # stream names as bytes, built once: a shard of 1,024 ranks reads 1,024 streams per batch
+        names = {r: self._stream_name(r) for r in positions}
         streams = {names[r]: pos for r, pos in positions.items()}
         reply = self.client.xreadgroup(keys.GROUP, CONSUMER, streams, count=self.batch)  # type: ignore[arg-type]
         by_stream = dict(reply or [])  # type: ignore[arg-type]
         out = {}
         for rank in positions:
             entries = by_stream.get(names[rank])
+            if entries:
+                out[rank] = entries
+        return out
+
+    def _read_new(self, ranks: list[int], ctx: _Context) -> dict[int, list[tuple[bytes, dict[bytes, bytes]]]]:
+        """New entries of every rank in ``ranks`` (the drain's rank list): the same command on every batch, so it is
+        packed once per rank list (:class:`PackedCommand`)."""
+        if not ranks:
+            return {}
+        if ctx.read_new is None or ctx.read_new[0] is not ranks or ctx.read_new[1] != self.batch:
+            names = [self._stream_name(r) for r in ranks]
+            ctx.read_new = ranks, self.batch, PackedCommand("XREADGROUP", "GROUP", keys.GROUP, CONSUMER, "COUNT",
+                                                            self.batch, "STREAMS", *names, *[">"] * len(ranks))
+        by_stream = dict(ctx.read_new[2](self.client) or [])
+        out = {}
+        for rank in ranks:
+            entries = by_stream.get(self._stream_name(rank))
             if entries:
                 out[rank] = entries
         return out
@@ -570,7 +590,7 @@ class Drainer:
         for rank in recovering:
             entries = raw.get(rank)
             ctx.cursors[rank] = _text(entries[-1][0]) if entries else None
-        raw.update(self._read({r: ">" for r in ranks if r not in raw}))
+        raw.update(self._read_new(ranks, ctx) if not raw else self._read({r: ">" for r in ranks if r not in raw}))
         batch = _Batch()
         merged = heapq.merge(
             *([(_id_key(eid), rank, eid, fields) for eid, fields in entries] for rank, entries in raw.items())
@@ -653,6 +673,8 @@ class Drainer:
         ctx.unacked, ctx.rejects, ctx.since_commit = {}, [], 0
         ctx.committed_at = time.monotonic()
         ctx.commit_s, ctx.busy_s = ctx.committed_at - started, 0.0
+        if unacked:
+            _RANK_COMMIT_S[0] = ctx.commit_s / len(unacked)
 
     def _finish(self, token: str, ctx: _Context, result: DrainResult) -> list[Finding]:
         findings = ctx.diag.finish()
@@ -664,25 +686,9 @@ class Drainer:
         logger.info("%s: drained (%d findings at finish)", self._context_key, len(findings))
         return findings
 
-    @contextlib.contextmanager
-    def _lease_kept(self, token: str) -> Any:
-        """Renew the lease every third of its time on a background thread while the body runs."""
-        done = threading.Event()
-
-        def keep() -> None:
-            while not done.wait(self.lease_ms / 3000):
-                try:
-                    self._renew(token)
-                except (_LeaseLost, redis.RedisError):
-                    return
-
-        thread = threading.Thread(target=keep, name=f"stability-lease-{self._context_key}", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
+    def _lease_kept(self, token: str) -> contextlib.AbstractContextManager[None]:
+        """Renew the lease every third of its time on the process's lease keeper thread while the body runs."""
+        return lease_kept(functools.partial(self._renew, token), self.lease_ms / 3000)
 
     def _transaction(self, token: str, ctx: _Context, ops: Callable[[Any], None]) -> list[Any]:
         """Save the snapshot + ``ops`` in MULTI/EXEC if the lease is still ours; returns the replies of ``ops``.
@@ -757,6 +763,27 @@ def _stream_names(run_id: str) -> dict[int, bytes]:
             _STREAM_NAMES.clear()
         names = _STREAM_NAMES[run_id] = {}
     return names
+
+
+def commit_due(policy: SnapshotPolicy, *, since: int, units: int, committed_at: float, busy_s: float, commit_s: float,
+               idle: bool = False) -> bool:
+    """Whether a commit is due by ``policy``: ``since`` entries processed over ``units`` ranks (or other units) since
+    the commit at monotonic time ``committed_at``, which took ``commit_s``; ``busy_s`` spent working since; ``idle``:
+    the last read found nothing new."""
+    if not since:
+        return False
+    elapsed = time.monotonic() - committed_at
+    if since >= policy.every_records and (since >= policy.rank_records * units or elapsed >= policy.max_every_s):
+        return True
+    every_s = policy.every_s
+    if idle and policy.idle_s is not None:
+        every_s = min(every_s, policy.idle_s)
+    if every_s > 0 and policy.max_share < 1:
+        # a long last commit puts the next timed one off, measured in this drain's own busy time (a worker that
+        # drains many shards gives each a slice of its time: in wall time a shard's commits could take most of its
+        # slice); each changed rank is then saved for more of its records
+        return elapsed >= every_s and (busy_s >= commit_s * (1 / policy.max_share - 1) or elapsed >= policy.max_every_s)
+    return elapsed >= every_s
 
 
 def committed_clock(wall: float) -> float:

@@ -22,7 +22,9 @@ complete with only the other shards' ranks.
 **Held findings.** A shard's warning/error findings wait until the cross-rank stage has decided their step
 (``keys.crossrank`` field ``decided``) and are then ranked, in the shard, with that step's verdict on the rank
 (``keys.verdicts``), so the first alert of a faulty rank names ``hardware_fault`` as in an unsharded run. The shard
-ranks them itself because ranking needs the rank's history, which only the shard has.
+ranks them itself because ranking needs the rank's history, which only the shard has. While it holds any, the
+shard's watermark hash carries ``held`` (the oldest held step, written with the summaries): the cross-rank stage
+triggers this shard's drain as soon as it decides that step.
 
 **End of the run.** A shard whose ranks all ended marks itself ``ended`` and waits for the cross-rank stage to
 finish (its ``finish`` decides the last steps); then it flushes its detectors and marks ``shard_done:<shard>`` in
@@ -44,7 +46,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgpack
@@ -187,7 +189,8 @@ def _factory(client: RedisClient, run_id: str, shard: int, config: DiagnoserConf
 
 class ShardDrainer(Drainer):
     """Drains one shard of a sharded run (see the module docstring); the arguments are :class:`Drainer`'s plus
-    ``shard`` and ``size`` (the run's ``shard_size``) and the detectors' ``config``."""
+    ``shard`` and ``size`` (the run's ``shard_size``), the detectors' ``config`` and ``on_lease``, called once the
+    shard's lease is taken (the worker routes the shard's next triggers to itself: shard affinity)."""
 
     def __init__(
         self,
@@ -202,6 +205,7 @@ class ShardDrainer(Drainer):
         max_seconds: float = 20.0,
         snapshot: SnapshotPolicy | None = None,
         config: DiagnoserConfig | None = None,
+        on_lease: Callable[[], None] | None = None,
     ) -> None:
         if size < 1 or shard < 0:
             raise ConfigError(f"need shard >= 0 and shard_size >= 1, got shard {shard}, shard_size {size}")
@@ -215,8 +219,13 @@ class ShardDrainer(Drainer):
         self._state_key = keys.shard_state(run_id, shard)
         self._owner_key = f"{self._lock_key}:owner"
         self._context_key = f"{run_id}#{shard}"
+        self._on_lease = on_lease
 
     # -- hooks -----------------------------------------------------------------------------------------------
+
+    def _leased(self) -> None:
+        if self._on_lease is not None:
+            self._on_lease()
 
     def _refuse(self) -> str | None:
         return None
@@ -242,8 +251,11 @@ class ShardDrainer(Drainer):
     def _after_batch(self, token: str, ctx: _Context, batch: _Batch, ranks: list[int]) -> None:
         if not batch.acks:
             batch.findings += ctx.diag.release()  # type: ignore[attr-defined]
-            if not ctx.extra.get("idle"):
-                self.client.hset(keys.summary_pos(self.run_id, self.shard), "idle", "1")
+            idle = {} if ctx.extra.get("idle") else {"idle": "1"}
+            if self._held_changed(ctx) or idle:
+                with self.client.pipeline(transaction=False) as pipe:
+                    self._pos_ops(pipe, idle, ctx)
+                    pipe.execute()
                 ctx.extra["idle"] = True
             return
         summarized: dict[int, tuple[int, int]] = ctx.extra.setdefault("summarized", {})
@@ -261,15 +273,38 @@ class ShardDrainer(Drainer):
         lasts = [ids[-1] for ids in batch.acks.values()]
         progress = min(full, key=id_key) if full else max(lasts, key=id_key)
         packed = msgpack.packb(items, use_bin_type=True) if items else None
-        self._guarded(token, lambda pipe: self._summary_ops(pipe, packed, marks, progress))
+        self._held_changed(ctx)
+        self._guarded(token, lambda pipe: self._summary_ops(pipe, packed, {**marks, "progress": progress, "idle": "0"},
+                                                            ctx))
         for name, eid_text in marks.items():
             summarized[int(name[1:])] = id_key(eid_text)
         ctx.extra["idle"] = False
 
-    def _summary_ops(self, pipe: Any, packed: bytes | None, marks: dict[str, str], progress: str) -> None:
+    def _summary_ops(self, pipe: Any, packed: bytes | None, marks: dict[str, str], ctx: _Context) -> None:
         if packed is not None:
             pipe.xadd(keys.summaries(self.run_id, self.shard), {"s": packed})
-        pipe.hset(keys.summary_pos(self.run_id, self.shard), mapping={**marks, "progress": progress, "idle": "0"})
+        self._pos_ops(pipe, marks, ctx)
+
+    def _held_changed(self, ctx: _Context) -> bool:
+        """Note the oldest step the shard holds a finding of (``ctx.extra["held"]``); whether it changed since the
+        last :meth:`_pos_ops`."""
+        held: int | None = ctx.diag.oldest_held()  # type: ignore[attr-defined]
+        ctx.extra["held"] = held
+        return bool(held != ctx.extra.get("held_written", -1))
+
+    def _pos_ops(self, pipe: Any, marks: dict[str, str], ctx: _Context) -> None:
+        """Write the shard's watermark ``marks`` and its ``held`` mark (the cross-rank stage triggers this shard's
+        drain once that step is decided: the held findings are released then, not at the next sweep)."""
+        key = keys.summary_pos(self.run_id, self.shard)
+        held = ctx.extra.get("held")
+        if held is None:
+            if ctx.extra.get("held_written", -1) is not None:
+                pipe.hdel(key, "held")
+        else:
+            marks = {**marks, "held": str(held)}
+        if marks:
+            pipe.hset(key, mapping=marks)
+        ctx.extra["held_written"] = held
 
     def _guarded(self, token: str, ops: Any) -> None:
         """``ops(pipe)`` in MULTI/EXEC if the shard's lease is still ours (else :class:`_LeaseLost`)."""

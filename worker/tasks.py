@@ -92,18 +92,31 @@ def trigger_key(run_id: str) -> str:
 def _trigger(marker: str, task: Any, *args: Any, affinity: str | None = None) -> int:
     """Send ``task(*args)`` unless one is queued (``marker``); 1 if sent. With an ``affinity`` key that names a
     worker's own queue (:func:`_affine`), the task goes to that queue."""
-    if not client().set(marker, b"1", nx=True, px=settings.lease_ms):
-        return 0
-    try:
-        queue = client().get(affinity) if affinity is not None else None
-        if queue:
-            task.apply_async(args, queue=queue.decode() if isinstance(queue, bytes) else str(queue))
-        else:
-            task.delay(*args)
-    except Exception:
-        client().delete(marker)
-        raise
-    return 1
+    return _trigger_all([(marker, task, args, affinity)])
+
+
+def _trigger_all(triggers: list[tuple[str, Any, tuple[Any, ...], str | None]]) -> int:
+    """:func:`_trigger` for each (marker, task, args, affinity), the markers and affinities in one round trip (a
+    sweep triggers every shard of a run); returns how many were sent."""
+    with client().pipeline(transaction=False) as pipe:
+        for marker, _, _, affinity in triggers:
+            pipe.set(marker, b"1", nx=True, px=settings.lease_ms)
+            pipe.get(affinity if affinity is not None else marker)
+        replies = pipe.execute()
+    sent = 0
+    for (marker, task, args, affinity), taken, queue in zip(triggers, replies[::2], replies[1::2], strict=True):
+        if not taken:
+            continue
+        try:
+            if affinity is not None and queue:
+                task.apply_async(args, queue=queue.decode() if isinstance(queue, bytes) else str(queue))
+            else:
+                task.delay(*args)
+        except Exception:
+            client().delete(marker)
+            raise
+        sent += 1
+    return sent
 
 
 # -- shard affinity --------------------------------------------------------------------------------------------------
@@ -125,9 +138,11 @@ _OWN_QUEUE: list[str] = []
 
 
 def _affine(run_id: str, shard: int | str, status: str) -> None:
+    """Route the shard's next triggers to this worker (``leased``: its drain took the lease here; ``idle``: it caught
+    up) or to the shared queue (``timeout``: this worker is behind)."""
     if not _OWN_QUEUE:
         return
-    if status == "idle":
+    if status in ("leased", "idle"):
         client().set(keys.shard_affinity(run_id, shard), _OWN_QUEUE[0], px=AFFINITY_MS)
     elif status == "timeout":
         client().delete(keys.shard_affinity(run_id, shard))
@@ -153,11 +168,9 @@ def sweep() -> int:
         if not size:
             sent += _trigger(trigger_key(run_id), drain, run_id)
             continue
-        for shard in shards_of(run_ranks(client(), run_id), size):
-            sent += _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size,
-                             affinity=keys.shard_affinity(run_id, shard))
-        sent += _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size,
-                         affinity=keys.shard_affinity(run_id, keys.CROSSRANK))
+        sent += _trigger_all([*_shard_triggers(run_id, size, shards_of(run_ranks(client(), run_id), size)),
+                              (keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, (run_id, size),
+                               keys.shard_affinity(run_id, keys.CROSSRANK))])
     check, quiet_sinks = quiet_check()
     check.sweep(client(), [raw.decode() for raw in sorted(members)], quiet_sinks)  # all ranks silent: a hang
     return sent
@@ -308,12 +321,15 @@ def drain_shard(run_id: str, shard: int, size: int) -> str:
     result = ShardDrainer(
         client(), run_id, shard, size, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms,
         max_seconds=settings.drain_s, snapshot=_snapshot_policy(),
+        on_lease=functools.partial(_affine, run_id, shard, "leased"),
     ).run()
     _log(f"{run_id} shard {shard}", result)
     _affine(run_id, shard, result.status)
     if result.processed:  # new summaries: the cross-rank stage now, not at the next sweep
-        _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size,
-                 affinity=keys.shard_affinity(run_id, keys.CROSSRANK))
+        stage = keys.shard_affinity(run_id, keys.CROSSRANK)
+        if not _OWN_QUEUE or client().get(stage) != _OWN_QUEUE[0].encode() or _stage(run_id, size).status == "busy":
+            # in this process if the stage's state is here (else it would load the other worker's snapshot)
+            _trigger(keys.shard_trigger(run_id, keys.CROSSRANK), crossrank, run_id, size, affinity=stage)
     return result.status
 
 
@@ -321,14 +337,29 @@ def drain_shard(run_id: str, shard: int, size: int) -> str:
 def crossrank(run_id: str, size: int) -> str:
     """Run the cross-rank stage of a sharded run (:class:`~stability.worker.crossrank_stage.CrossRankStage`)."""
     client().delete(keys.shard_trigger(run_id, keys.CROSSRANK))
+    return _stage(run_id, size).status
+
+
+def _stage(run_id: str, size: int) -> DrainResult:
+    """The cross-rank stage of a sharded run, in this process (the ``crossrank`` task; a shard drain that summarized
+    records runs it at once too); returns at once if another worker runs it."""
     result = CrossRankStage(
         client(), run_id, size, sinks=sinks(), lease_ms=settings.lease_ms, max_seconds=settings.drain_s,
-        snapshot=_snapshot_policy(),
+        snapshot=_snapshot_policy(), on_lease=functools.partial(_affine, run_id, keys.CROSSRANK, "leased"),
+        on_release=functools.partial(_release, run_id, size),
     ).run()
     _log(f"{run_id} cross-rank", result)
     _affine(run_id, keys.CROSSRANK, result.status)
-    if result.processed:  # more steps decided: the shards release their held findings now, not at the next sweep
-        for shard in shards_of(run_ranks(client(), run_id), size):
-            _trigger(keys.shard_trigger(run_id, shard), drain_shard, run_id, shard, size,
-                     affinity=keys.shard_affinity(run_id, shard))
-    return result.status
+    return result
+
+
+def _release(run_id: str, size: int, shards: list[int]) -> None:
+    """The cross-rank stage decided the step of findings these shards hold: drain them now (they release them), not
+    at the next sweep."""
+    _trigger_all(_shard_triggers(run_id, size, shards))
+
+
+def _shard_triggers(run_id: str, size: int, shards: list[int]) -> list[tuple[str, Any, tuple[Any, ...], str | None]]:
+    """The :func:`_trigger_all` items of ``drain_shard`` for ``shards``."""
+    return [(keys.shard_trigger(run_id, shard), drain_shard, (run_id, shard, size), keys.shard_affinity(run_id, shard))
+            for shard in shards]
