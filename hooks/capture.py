@@ -332,13 +332,15 @@ class Capture:
         self._scaled: tuple[weakref.ref[torch.Tensor], Any] | None = None
         self._scaler_call: tuple[Any, torch.optim.Optimizer, int] | None = None
         self._closure: Callable[..., Any] | None = None
+        """The wrapped closure :meth:`_step_pre_hook` hands to the step in progress."""
+        self._global_steps = False
+        """Auto mode: every optimizer's steps reach the hooks (so a re-created optimizer can take over)."""
+        self._stepping = False
+        """The tracked optimizer's ``step`` is running (between its pre- and post-step hooks)."""
         self._same_params: dict[int, tuple[weakref.ref[torch.optim.Optimizer], bool]] = {}
+        """id of another optimizer -> (it, whether it holds exactly the tracked one's parameters)."""
         self._foreign_run: tuple[int, int] = (0, 0)
-        self._warning_filter: Any = None
-        self._forked = False
-        """This is a forked child of the process that attached (the capture is off in it)."""
-        self._fork_said = False
-        """The warnings filter :meth:`_discover` added (removed with the discovery hooks)."""
+        """id of the other optimizer that stepped since the tracked one last did, and how many times in a row."""
         self._co: list[torch.optim.Optimizer] = []
         """Other optimizers that step right after the tracked one on the same backward (modded-nanogpt's Adam for
         the embeddings and head plus Muon for the matrices): their parameters are measured in the same record."""
@@ -348,12 +350,11 @@ class Capture:
         """``_backward_calls`` when the tracked optimizer's step ended (no backward since: a co-stepping window)."""
         self._rediscover = False
         """After a new phase's first step the layout is built again, once the forward hooks saw its model."""
-        """id of the other optimizer that stepped since the tracked one last did, and how many times in a row."""
-        self._global_steps = False
-        """Auto mode: every optimizer's steps reach the hooks (so a re-created optimizer can take over)."""
-        self._stepping = False
-        """The tracked optimizer's ``step`` is running (between its pre- and post-step hooks)."""
-        """The wrapped closure :meth:`_step_pre_hook` hands to the step in progress."""
+        self._warning_filter: Any = None
+        """The warnings filter :meth:`_discover` added (removed with the discovery hooks)."""
+        self._forked = False
+        """This is a forked child of the process that attached (the capture is off in it)."""
+        self._fork_said = False
         self._meta: tuple[int, dict[str, int], str] | None = None
         self._framework: str | None = None
         self._drive_steps = False
@@ -1094,15 +1095,7 @@ class Capture:
         optimizer = self._optimizer
         if self._layout is not None and (self._layout_has_optimizer or optimizer is None):
             return
-        wanted = optimizer_params(optimizer) if optimizer is not None else params
-        if optimizer is not None and self._co:
-            wanted = list(wanted or [])
-            held = {id(p) for p in wanted}
-            for co in self._co:
-                for p in optimizer_params(co):
-                    if id(p) not in held:
-                        held.add(id(p))
-                        wanted.append(p)
+        wanted = optimizer_params(optimizer, *self._co) if optimizer is not None else params
         if not self._roots:
             self._roots = self._discover_roots({id(p) for p in wanted or []})
         previous = self._layout
@@ -1249,11 +1242,7 @@ class Capture:
             return None
         groups = [g for o in optimizers for g in o.param_groups]
         betas = [float(g.get("betas", (0.9, 0.999))[1]) for g in groups]
-        if len(optimizers) == 1:
-            state = optimizers[0].state
-            found = [state.get(p) for p in params]
-        else:
-            found = [next((o.state[p] for o in optimizers if p in o.state), None) for p in params]
+        found = [next((o.state[p] for o in optimizers if p in o.state), None) for p in params]
         vs: list[torch.Tensor | None] = []
         steps: list[torch.Tensor | float | None] = []
         for st in found:

@@ -82,11 +82,11 @@ class ParamLayout:
         return [found[i] for i in picks]
 
 
-def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The parameters an optimizer holds, in param-group order, without duplicates."""
+def optimizer_params(*optimizers: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters the optimizers hold, in optimizer and param-group order, without duplicates."""
     seen: set[int] = set()
     params = []
-    for group in optimizer.param_groups:
+    for group in (g for optimizer in optimizers for g in optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in seen:
                 seen.add(id(p))

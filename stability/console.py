@@ -57,10 +57,12 @@ def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def alert_line(finding: Mapping[str, Any]) -> str:
-    """The one-line form of a finding (a :meth:`~stability.detectors.base.Finding.to_dict` dict)."""
+def alert_line(finding: Mapping[str, Any], *, label: str | None = None) -> str:
+    """The one-line form of a finding (a :meth:`~stability.detectors.base.Finding.to_dict` dict); ``label``
+    replaces the upper-cased severity at its start (``UPDATE info``)."""
     where = f"rank {finding.get('rank', 0)}" + (f" on {finding['host']}" if finding.get("host") else "")
-    parts = [f"stability: {str(finding.get('severity', '')).upper()} {finding.get('kind')} at step "
+    head = label or str(finding.get("severity", "")).upper()
+    parts = [f"stability: {head} {finding.get('kind')} at step "
              f"{finding.get('step')} ({where})"]
     causes = finding.get("causes") or []
     if causes:
@@ -273,7 +275,7 @@ class ConsoleReporter:
         signed = (finding.get("evidence") or {}).get("signed_loss")
         if signed is not None:
             was = f"the loss turned negative at step {int(signed)}: a signed objective, not judged; {was}"
-        line = alert_line(finding).replace(f"stability: {severity.upper()} ", f"stability: UPDATE {severity} ", 1)
+        line = alert_line(finding, label=f"UPDATE {severity}")
         self._safe_print(f"{line} · ({was})", severity if severity != "info" else "warning")
 
     def _summary(self, drained: bool, died: str | None = None) -> None:
