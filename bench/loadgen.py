@@ -108,10 +108,14 @@ class Result:
     """``--aof``: the largest size of the server's append-only files seen (sampled every 0.5 s)."""
     aof_end: int = 0
     """``--aof``: their size at the end."""
+    bursts: list[float] = field(default_factory=list)
+    """Live mode: seconds each step's pipelined XADDs took (the records are encoded before their step's time)."""
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
-        out = {k: v for k, v in self.__dict__.items() if k not in ("lag_samples", "latencies")}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("lag_samples", "latencies", "bursts")}
+        out["burst_max_s"] = max(self.bursts, default=None)
+        out["burst_p50_s"] = _quantile(sorted(self.bursts), 0.5)
         out["latency_p50_s"] = _quantile(lat, 0.5)
         out["latency_p99_s"] = _quantile(lat, 0.99)
         out["latency_max_s"] = lat[-1] if lat else None
@@ -375,6 +379,9 @@ class _StepWriter:
         self.size = 0
         """Bytes of the last record written."""
         self._last_nan: dict[tuple[str, int], int] = {}
+        self._prepared: dict[int, list[tuple[bytes, bytes, str, tuple[str, int, int] | None]]] = {}
+        self.bursts: list[float] = []
+        """Seconds each step's pipelined XADDs took (encoding excluded)."""
 
     def _nan_rank(self, step: int, index: int, run: str) -> int:
         rank = (step * 7919 + index * 31) % self.ranks if step >= 1 else -1
@@ -383,23 +390,35 @@ class _StepWriter:
         self._last_nan[(run, rank)] = step
         return rank
 
-    def write(self, step: int) -> int:
-        """Write ``step`` of every rank; return the records written."""
-        wall = time.time()
-        pipe = self.client.pipeline(transaction=False)
-        probes: list[tuple[str, int, int]] = []
+    def prepare(self, step: int, wall: float) -> None:
+        """Encode ``step`` of every rank ahead of its write, as ``wall`` (each rank's emitter encodes its own records in
+        parallel in a real job: the single writer here must not stretch the burst by encoding 16k records in it)."""
+        batch: list[tuple[bytes, bytes, str, tuple[str, int, int] | None]] = []
         for index, run in enumerate(self.runs):
             nan_rank = self._nan_rank(step, index, run)
             for rank, factory in enumerate(self.factories[run]):
                 kind = "nan" if rank == nan_rank else None
                 data = encode(factory.record(step, wall, kind))
                 self.size = len(data)
-                pipe.xadd(keys.records(run, rank), {"r": data}, id=f"{int(wall * 1000)}-{step}")
-                if kind:
-                    probes.append((run, rank, step))
-                if len(pipe) >= 2000:
-                    self._execute(pipe, probes)
+                batch.append((keys.records(run, rank).encode(), data, f"{int(wall * 1000)}-{step}",
+                              (run, rank, step) if kind else None))
+        self._prepared[step] = batch
+
+    def write(self, step: int) -> int:
+        """Write ``step`` of every rank (encoded now unless :meth:`prepare` did it); return the records written."""
+        if step not in self._prepared:
+            self.prepare(step, time.time())
+        start = time.monotonic()
+        pipe = self.client.pipeline(transaction=False)
+        probes: list[tuple[str, int, int]] = []
+        for stream, data, eid, probe in self._prepared.pop(step):
+            pipe.xadd(stream, {"r": data}, id=eid)
+            if probe:
+                probes.append(probe)
+            if len(pipe) >= 2000:
+                self._execute(pipe, probes)
         self._execute(pipe, probes)
+        self.bursts.append(time.monotonic() - start)
         return len(self.runs) * self.ranks
 
     def _execute(self, pipe: Any, probes: list[tuple[str, int, int]]) -> None:
@@ -422,7 +441,7 @@ def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespa
     sampler_client = redis.Redis.from_url(url)
 
     def sample(t0: float) -> None:
-        while not stop.wait(1.0):
+        while not stop.wait(args.sample_s):
             unread: list[int] = []
             n = unacked(sampler_client, runs, args.ranks, unread=unread)
             result.lag_samples.append((time.monotonic() - t0, n))
@@ -437,12 +456,16 @@ def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespa
         sampler = threading.Thread(target=sample, args=(t0,), daemon=True)
         sampler.start()
         written, late = 0, 0.0
-        for step in range(max(1, int(args.duration * args.step_rate))):
+        wall0 = time.time()
+        steps = max(1, int(args.duration * args.step_rate))
+        for step in range(steps):
             wait = t0 + step / args.step_rate - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
             late = max(late, -wait)
             written += writer.write(step)
+            if step + 1 < steps:
+                writer.prepare(step + 1, wall0 + (step + 1) / args.step_rate)
         result.writing_s = time.monotonic() - t0
         result.writing_cpu = {"workers": cpu_seconds(pids) - cpu, "loadgen": time.process_time() - own,
                               "redis": _redis_cpu(client) - server}
@@ -468,6 +491,7 @@ def live(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Namespa
     result.findings, found = findings_by_kind(client, runs)
     result.injected = len(writer.injected)
     result.bytes_per_record = writer.size
+    result.bursts = writer.bursts
     for run, eid, finding in found:
         written_at = writer.injected.get((run, finding["rank"], finding["step"]))
         if finding["kind"] == "nan" and written_at is not None:
@@ -516,6 +540,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis-server", default=_system_redis(),
                    help="redis-server binary (default: /usr/bin/redis-server (7.x: XINFO reports the lag), else the "
                         "one on PATH, else the embedded one)")
+    p.add_argument("--sample-s", type=float, default=1.0,
+                   help="live: seconds between lag samples (each reads every stream's group: ~0.15 core at 16k ranks "
+                        "per sample a second; default 1)")
     p.add_argument("--json", type=Path, help="also write the summary as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (worker logs, archive)")
     args = p.parse_args(argv)
@@ -556,6 +583,9 @@ def print_summary(out: dict[str, Any]) -> None:
         print(f"  CPU while writing : {out['writing_s']:.1f} s: {shares}")
     print(f"  consumer lag      : max {out['lag_max']:,} entries, {out['lag_end']:,} at the end"
           + (f" (not yet read: max {out['unread_max']:,})" if out["mode"] == "live" else ""))
+    if out.get("burst_p50_s") is not None:
+        print(f"  step burst        : p50 {ms(out['burst_p50_s'])}, max {ms(out['burst_max_s'])} "
+              f"(one step's pipelined XADDs, records encoded before)")
     print(f"  latency (nan)     : p50 {ms(out['latency_p50_s'])}, p99 {ms(out['latency_p99_s'])}, "
           f"max {ms(out['latency_max_s'])} ({out['latency_samples']} of {out['injected']} injected)")
     print(f"  redis used_memory : {out['used_memory'] / 2**20:,.1f} MiB (peak {out['used_memory_peak'] / 2**20:,.1f})")
