@@ -221,6 +221,12 @@ class _Snapshot:
     sq_norms: torch.Tensor
 
 
+def _storage(t: torch.Tensor | None) -> int:
+    """Where a tensor's values live (0 for None; a sparse gradient has no single storage: its identity and version
+    stand for it)."""
+    return 0 if t is None or t.is_sparse else t.data_ptr()
+
+
 @dataclass
 class _Unchanged:
     """Per-tensor statistics of some tensors, valid while each is still the same tensor object with the same
@@ -238,12 +244,12 @@ class _Unchanged:
     def now(cls, values: torch.Tensor, tensors: Sequence[torch.Tensor | None]) -> _Unchanged:
         kept = list(tensors)
         return cls(values, kept, [-1 if t is None else t._version for t in kept],
-                   [0 if t is None else t.data_ptr() for t in kept])
+                   [_storage(t) for t in kept])
 
     def holds_for(self, tensors: Sequence[torch.Tensor | None]) -> bool:
         """True when ``tensors`` are the same tensors, unchanged since the statistics were taken."""
         return len(tensors) == len(self.tensors) and all(
-            t is k and (t is None or (t._version == v and t.data_ptr() == d))
+            t is k and (t is None or (t._version == v and _storage(t) == d))
             for t, k, v, d in zip(tensors, self.tensors, self.versions, self.storage, strict=True)
         )
 
@@ -1215,7 +1221,10 @@ class Capture:
                 sums = stats.segment_sum(both, layout.index(device, repeat=2), 2 * n)
                 before_sq = stats.segment_sum(snapshot.sq_norms, index, n)
                 per_tensor, param_sq = both[: len(params)], sums[:n]
-                state.parts.append((layout.names("update_ratio"), (sums[n:] / before_sq).sqrt()))
+                # a module whose weights were all zero before the step (a zero-initialised positional embedding,
+                # gate or bias-only module) is measured against its weights after it (1.0 when it just left zero)
+                denom = torch.where(before_sq > 0, before_sq, sums[:n]).clamp_min(torch.finfo(before_sq.dtype).tiny)
+                state.parts.append((layout.names("update_ratio"), (sums[n:] / denom).sqrt()))
                 state.snapshot = None
         self._param_sq_norms = (self._step, _Unchanged.now(per_tensor, params))
         state.parts.append((layout.names("param_norm"), param_sq.sqrt()))

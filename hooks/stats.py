@@ -64,19 +64,29 @@ def host_reads_free(device: torch.device) -> bool:
 
 def foreach_norm(tensors: Sequence[torch.Tensor], ord: float, dtype: torch.dtype) -> list[torch.Tensor]:
     """``torch._foreach_norm(tensors, ord, dtype=dtype)``, also for tensors wider than ``dtype`` (a float64 model
-    under a float32 result: torch refuses the narrowing, so those are normed in their own dtype and cast)."""
-    wide = [i for i, t in enumerate(tensors) if t.dtype.itemsize > dtype.itemsize]
-    if not wide:
+    under a float32 result: torch refuses the narrowing, so those are normed in their own dtype and cast) and for
+    sparse tensors (the gradients of ``nn.Embedding(sparse=True)``: normed over their coalesced values, as
+    ``SparseAdam`` coalesces them too; the foreach kernels refuse sparse tensors)."""
+    odd = [i for i, t in enumerate(tensors) if t.dtype.itemsize > dtype.itemsize or t.is_sparse]
+    if not odd:
         return list(torch._foreach_norm(tensors, ord, dtype=dtype))  # type: ignore[misc,arg-type]
+    tensors = [_strided(t) for t in tensors]
+    wide = [i for i in odd if tensors[i].dtype.itemsize > dtype.itemsize]
     narrow = [i for i, t in enumerate(tensors) if t.dtype.itemsize <= dtype.itemsize]
     norms: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
-    for i, n in zip(wide, torch._foreach_norm([tensors[i] for i in wide], ord), strict=True):  # type: ignore[misc]
-        norms[i] = n.to(dtype)
+    if wide:
+        for i, n in zip(wide, torch._foreach_norm([tensors[i] for i in wide], ord), strict=True):  # type: ignore[misc]
+            norms[i] = n.to(dtype)
     if narrow:
         values = torch._foreach_norm([tensors[i] for i in narrow], ord, dtype=dtype)  # type: ignore[misc,arg-type]
         for i, n in zip(narrow, values, strict=True):
             norms[i] = n
     return norms
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """A sparse tensor's coalesced values (same norms, same non-finite elements), else the tensor itself."""
+    return t.coalesce().values() if t.is_sparse else t
 
 
 def tensor_norms(tensors: Sequence[torch.Tensor | None], out: torch.device, ord: float = 2.0) -> torch.Tensor:
@@ -148,7 +158,7 @@ def nonfinite_given_norm(tensors: Sequence[torch.Tensor | None], total_norm: tor
 def _count_chunk(chunk: list[torch.Tensor], out: torch.device) -> torch.Tensor:
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in chunk:
-        by_device.setdefault(t.device, []).append(t)
+        by_device.setdefault(t.device, []).append(_strided(t))
     parts = []
     for device, tensors in by_device.items():
         zeros = torch._foreach_mul(tensors, 0.0)  # 0 where finite, NaN where NaN/Inf

@@ -962,3 +962,109 @@ def test_optimizers_stepping_together_are_one_record_over_all_their_parameters(c
             assert got[name] == pytest.approx(value, rel=1e-4, abs=1e-12), (record.step, name)
         assert set(per_module(record, "adam_v_ratio")) <= {"wte", "wpe", "ln_f"}
     assert per_module(sink.records[3], "update_ratio")["h.0.attn.c_attn"] == 0.0  # its optimizer skipped
+
+
+class _ZeroPos(nn.Module):
+    """minGPT's shape: a positional embedding owned by the root module, initialised to zeros, and a gate that
+    stays zero (no gradient reaches it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(4, 8))
+        self.body = nn.Linear(8, 8)
+        self.gate = nn.Linear(8, 8, bias=False)
+        nn.init.zeros_(self.gate.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x + self.pos) + 0.0 * self.gate.weight.sum().detach()
+
+
+def test_a_module_whose_weights_are_all_zero_has_a_finite_update_ratio():
+    """‖Δw‖ / ‖w before‖ of a zero-initialised module was inf at its first step (and 0/0 = NaN for one that stays
+    zero): an ERROR ``nan`` at step 0 of a clean minGPT-style run. Such a module is measured against its weights
+    after the step: 1.0 when it just left zero, 0 while it stays there."""
+    torch.manual_seed(0)
+    model = _ZeroPos()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="zero", stats_every=1), sink).attach(model, opt)
+    want = []
+    try:
+        for _ in range(3):
+            before = {p: p.detach().clone() for p in model.parameters()}
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            delta = by_module(model, lambda p, before=before: p.detach() - before[p])
+            size = by_module(model, lambda p, before=before: before[p])
+            want.append({n: delta[n] / size[n] for n in delta if size[n] > 0})
+    finally:
+        capture.close()
+    assert capture.errors == 0
+    first, *rest = sink.records
+    assert first.get("update_ratio/root") == pytest.approx(1.0)  # pos left zero: Δw = w after
+    assert first.get("update_ratio/body") == pytest.approx(want[0]["body"], rel=1e-4)
+    for record in sink.records:
+        assert record.get("update_ratio/gate") == 0.0  # stays zero: no update, no NaN
+        assert all(math.isfinite(v) for k, v in record.signals.items() if k.startswith("update_ratio/"))
+    for record, ratio in zip(rest, want[1:], strict=True):  # later steps: the ordinary ratio
+        assert record.get("update_ratio/root") == pytest.approx(ratio["root"], rel=1e-4)
+
+
+class _SkipGram(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.u = nn.Embedding(50, 8, sparse=True)
+        self.v = nn.Embedding(50, 8, sparse=True)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, c: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        return -F.logsigmoid((self.proj(self.u(c)) * self.v(o)).sum(-1)).mean()
+
+
+def _coalesced(p: nn.Parameter) -> torch.Tensor:
+    assert p.grad is not None
+    return p.grad.coalesce().values() if p.grad.is_sparse else p.grad
+
+
+def test_sparse_embedding_gradients_are_measured_over_their_coalesced_values():
+    """``nn.Embedding(sparse=True)`` + ``SparseAdam`` (word2vec, recommendation models): the foreach kernels refuse
+    sparse tensors, so every gradient hook failed until the capture turned itself off after 20 errors. Sparse
+    gradients are normed over their coalesced values (repeated indices summed, as SparseAdam does); the dense
+    layer's Adam co-steps; a NaN in a sparse gradient is counted."""
+    torch.manual_seed(0)
+    model = _SkipGram()
+    sparse_opt = torch.optim.SparseAdam([model.u.weight, model.v.weight], lr=1e-2)
+    dense_opt = torch.optim.Adam(model.proj.parameters(), lr=1e-3)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="sparse", stats_every=1), sink).attach()
+    want = []
+    try:
+        for step in range(4):
+            c = torch.randint(0, 50, (32,), generator=torch.Generator().manual_seed(step))  # repeats: uncoalesced
+            loss = model(c, (c + 1) % 50)
+            loss.backward()
+            if step == 3:
+                model.u.weight.grad = model.u.weight.grad.coalesce()
+                model.u.weight.grad.values()[0, 0] = float("nan")
+            grads = {n: float(_coalesced(p).double().norm()) for n, p in model.named_parameters()}
+            want.append((loss.item(), math.sqrt(sum(g * g for g in grads.values())), grads))
+            sparse_opt.step()
+            dense_opt.step()
+            sparse_opt.zero_grad()
+            dense_opt.zero_grad()
+    finally:
+        capture.close()
+    assert capture.errors == 0
+    assert [r.step for r in sink.records] == list(range(4))
+    for record, (loss, total, grads) in zip(sink.records[:3], want[:3], strict=True):
+        assert record.get("loss") == pytest.approx(loss, rel=1e-6)
+        assert record.get("grad_norm/u") == pytest.approx(grads["u.weight"], rel=1e-5)
+        assert record.get("grad_norm/v") == pytest.approx(grads["v.weight"], rel=1e-5)
+        if record.step == 0:  # the co-stepping dense Adam is known from step 1 (as in the test above)
+            continue
+        assert record.get("grad_norm") == pytest.approx(total, rel=1e-5)
+        assert record.get("nonfinite_grads") == 0
+        assert {"update_ratio/u", "update_ratio/proj", "param_norm/v"} <= set(record.signals)
+    last = sink.records[3]
+    assert math.isnan(last.get("grad_norm")) and last.get("nonfinite_grads") == 1
