@@ -34,6 +34,7 @@ KINDS: tuple[str, ...] = (
     "logit_divergence",
     "rank_disagreement",
     "update_ratio_jump",
+    "param_jump",
     "adam_v_lag",
     "plateau",
     "lr_off_schedule",

@@ -74,6 +74,7 @@ from stability.detectors.steptime import PERF_KINDS, StepTimeConfig, StepTimeDet
 from stability.detectors.straggler import StragglerConfig, StragglerDetector
 from stability.detectors.update import (
     LAYER_GRAD,
+    PARAM_JUMP,
     UPDATE_RATIO,
     AdamLagConfig,
     AdamLagDetector,
@@ -125,6 +126,7 @@ class DiagnoserConfig:
     growth: GrowthConfig = field(default_factory=GrowthConfig)
     update: LayerJumpConfig = UPDATE_RATIO
     layer_grad: LayerJumpConfig = LAYER_GRAD
+    param_jump: LayerJumpConfig = PARAM_JUMP
     adam_lag: AdamLagConfig = field(default_factory=AdamLagConfig)
     plateau: PlateauConfig = field(default_factory=PlateauConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -235,7 +237,8 @@ class _RankSuite:
             NanDetector(config.nan), SpikeDetector(config.spike), DivergenceDetector(config.divergence),
             GradExplosionDetector(config.grad), LossScaleDetector(config.loss_scale),
             GradVanishingDetector(config.vanish), GrowthDetector(config.growth), LayerJumpDetector(config.update),
-            LayerJumpDetector(config.layer_grad), AdamLagDetector(config.adam_lag), PlateauDetector(config.plateau),
+            LayerJumpDetector(config.layer_grad), LayerJumpDetector(config.param_jump),
+            AdamLagDetector(config.adam_lag), PlateauDetector(config.plateau),
             StepTimeDetector(config.steptime), MemoryDetector(config.memory),  # performance: detectors/steptime.py
         ]
         self.history = history() if history is not None else History(
@@ -571,7 +574,8 @@ class RunDiagnoser:
             head = incident.headline
             incident.findings.append(finding)
             if incident.headline is head and head is not finding and (
-                    finding.kind in KIND_CAUSE or _grew_unexplained(head, finding, suite.history)):
+                    finding.kind in KIND_CAUSE or finding.kind == "param_jump"
+                    or _grew_unexplained(head, finding, suite.history)):
                 self._rerank(suite, incident, head)
             incident.last_step = max(incident.last_step, finding.step)
             if finding.end is not None:

@@ -216,6 +216,8 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
         _slow_rules(finding, history, hints, event)
         _overflow_rules(finding, history, hints, event)
         _data_rules(finding, history, hints, precursors, recent, oddity)
+    elif finding.kind == "param_jump":
+        _param_jump_rules(finding, history, hints, recent)
     hints.tie_break(history, t0)
     rollback = _rollback(history, min([t0] + [m.step for m in precursors]))
     return Ranking(hints.ranked(), rollback, _skip_batches(finding, history))
@@ -245,6 +247,9 @@ def _recent_hints(finding: Finding, history: History, hints: _Hints, recent: Seq
     whose series, for a growth, grew before it too)."""
     t0, precursors = finding.onset, []
     for earlier in recent:
+        if earlier.kind == "param_jump" and earlier.causes and finding.kind != "param_jump":
+            _weights_jumped_after(finding, earlier, hints, event)
+            continue
         cause = _kind_cause(earlier)
         if cause is None or earlier is finding or earlier.kind == finding.kind:
             continue
@@ -269,6 +274,22 @@ def _recent_hints(finding: Finding, history: History, hints: _Hints, recent: Seq
 
 
 GROWTH = frozenset({"attention_logit_growth", "activation_growth", "logit_divergence"})
+
+PARAM_SAMPLES = 100
+"""A weight jump (``param_jump``) seen at a sampled step up to this many steps after an event's onset may have
+happened at the onset (weights are sampled every ``stats_every`` steps, 50 by default)."""
+
+
+def _weights_jumped_after(finding: Finding, jump: Finding, hints: _Hints, event: str) -> None:
+    """A module's weights found jumped at the next sampled step after ``event``: what the jump's own ranking says
+    (weights written outside the optimizer, or moved by an LR that jumped) explains the event, a little weaker
+    (the jump happened somewhere between two samples)."""
+    lag = jump.onset - finding.onset
+    if 0 <= lag <= PARAM_SAMPLES:
+        first = jump.causes[0]
+        hints.add(first.cause, first.score - 0.05,
+                  f"{first.evidence} ({plural(lag, 'step')} after the onset of {event}; weights are sampled every "
+                  "stats_every steps, so the jump may be the onset's)", jump.signal)
 
 
 def _symptom_of_lr(finding: Finding, history: History, hints: _Hints) -> float:
@@ -376,6 +397,32 @@ def _loss_fell_with_gradients(history: History, t0: int, span: int = 50) -> bool
     if len(before) < 3 or len(recent) < 3:
         return False
     return float(np.median(recent)) <= float(np.median(before)) / 3.0
+
+
+def _param_jump_rules(finding: Finding, history: History, hints: _Hints, recent: Sequence[Finding]) -> None:
+    """A module's weights jumped (:data:`~stability.detectors.update.PARAM_JUMP`): with an LR that jumped or left
+    its schedule, the updates did it (``lr_too_high``); with none, the weights were written outside the optimizer:
+    memory corruption (``hardware_fault``: a flipped exponent bit turns a weight into 1e4+) or code that wrote
+    them (``software_regression``: a checkpoint loaded into the wrong module, an in-place edit)."""
+    t0 = finding.onset
+    what = f"{finding.message} at sampled step {t0}"
+    changed = _lr_change(history, t0)
+    off = _off_schedule(history, t0, finding.step)
+    if changed is not None or off is not None:
+        why = off if off is not None else f"the lr changed at step {changed}"
+        hints.add("lr_too_high", 0.85, f"{what}; {why}: the updates grew the weights", "lr")
+        return
+    spike = next((f for f in recent if f.kind == "loss_spike" and 0 <= t0 - f.onset <= PARAM_SAMPLES), None)
+    if spike is not None:  # one huge gradient step (SGD without clipping) moves weights this far too
+        hints.add("bad_batch", 0.6, f"{what}, after the loss spike at step {spike.onset}: a batch whose huge "
+                                    "gradient the optimizer applied moves the weights this far")
+        hints.add("hardware_fault", 0.5, f"{what}: or weights written outside the optimizer (a bit flip)")
+        return
+    hints.add("hardware_fault", 0.8, f"{what}, with the lr on its schedule: more than an optimizer's updates "
+                                     "(an update ratio of 1e-4 to 1e-2 a step) can do; weights written outside the "
+                                     "optimizer, as a bit flip in memory does (silent data corruption)")
+    hints.add("software_regression", 0.5, f"{what}: code that writes weights (a checkpoint loaded into the wrong "
+                                          "module, an in-place edit) does this too")
 
 
 def _lr_change(history: History, t0: int) -> int | None:

@@ -19,6 +19,9 @@ dominated by larger layers, hardly moves. The cause is ranked like a loss spike'
 (``ranking._gradient_rules``): an LR that jumped with it -> ``lr_too_high``; only attention projections ->
 ``attention_logit_growth``.
 
+**Weights that jump** (kind ``param_jump``, :data:`PARAM_JUMP`): the same rule on ``param_norm/<module>`` at 10x
+over 4+ samples: weights changed by more than the optimizer's updates can do (see :data:`PARAM_JUMP`).
+
 **Adam second-moment lag** (:class:`AdamLagDetector`, kind ``adam_v_lag``). ``adam_v_ratio/<module>`` is
 ``sum(g^2) / sum(v_hat)`` with ``v_hat`` Adam's bias-corrected second moment *before* the step
 (``hooks/stats.adam_lag``): about 1 when steady, large when the gradient outgrew what Adam expects, so the update
@@ -70,7 +73,7 @@ from stability.records import StepRecord, split_signal
 MAX_SERIES = 512
 """Series with an own baseline (per rank)."""
 
-__all__ = ["EMBEDDING_MODULE", "LAYER_GRAD", "UPDATE_RATIO", "AdamLagConfig",
+__all__ = ["EMBEDDING_MODULE", "LAYER_GRAD", "PARAM_JUMP", "UPDATE_RATIO", "AdamLagConfig",
            "AdamLagDetector", "LayerJumpConfig", "LayerJumpDetector"]
 
 
@@ -110,6 +113,13 @@ UPDATE_RATIO = LayerJumpConfig(per_lr=True)
 LAYER_GRAD = LayerJumpConfig(quantity="grad_norm", kind="grad_explosion", name="layer_grad", modules_only=True,
                              factor=20.0, confirm=True)
 """Per-layer gradient explosions: a layer's ``grad_norm/<module>`` 20x over its own level (clean corpus: 1.6x)."""
+
+PARAM_JUMP = LayerJumpConfig(quantity="param_norm", kind="param_jump", name="param_jump", modules_only=True,
+                             factor=10.0, min_points=4)
+"""A module's weights (``param_norm/<module>``, sampled every ``stats_every`` steps) 10x over their own level: an
+optimizer moves a module's norm by ``~ update ratio`` (1e-4-1e-2) a step, so 10x between two samples is a weight
+written outside the optimizer (a bit flip in memory, a checkpoint loaded into the wrong module) or an LR that
+jumped (``ranking._param_jump_rules``). Weight norms are smooth: 4 samples make a baseline."""
 
 
 class _Series:

@@ -1068,3 +1068,35 @@ def test_sparse_embedding_gradients_are_measured_over_their_coalesced_values():
         assert {"update_ratio/u", "update_ratio/proj", "param_norm/v"} <= set(record.signals)
     last = sink.records[3]
     assert math.isnan(last.get("grad_norm")) and last.get("nonfinite_grads") == 1
+
+
+def test_a_weight_flipped_in_memory_is_diagnosed_as_a_hardware_fault():
+    """Real training, then the worker's diagnosis of its records: at step 70 one weight of an MLP layer becomes 1e4
+    (a flipped exponent bit), between two optimizer steps. The layer's gradient explodes at once and its sampled
+    weight norm is ~100x up at step 70's sample, with the LR on its schedule: ``hardware_fault`` first."""
+    from stability.detectors import RunDiagnoser
+
+    model = make_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sink = ListSink()
+    capture = Capture(WatchConfig(run_id="flip", stats_every=10), sink).attach(model, opt)
+    try:
+        for step in range(120):
+            if step == 70:
+                with torch.no_grad():
+                    model.h[1].mlp[0].weight[3, 5] = 1e4
+            lm_loss(model, tokens(step % 8, rows=8)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    finally:
+        capture.close()
+    assert capture.errors == 0
+    diag = RunDiagnoser()
+    for record in sink.records:
+        diag.update(record)
+    diag.finish()
+    serious = [i for i in diag.incidents if i.headline.severity.rank >= 1]
+    assert serious and all(i.onset >= 70 for i in serious), [(i.onset, i.kinds) for i in serious]
+    first = serious[0]
+    assert "param_jump" in first.kinds and first.headline.causes[0].cause == "hardware_fault", first.headline

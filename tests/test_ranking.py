@@ -570,3 +570,63 @@ def test_replicas_with_the_same_global_signals_share_one_forest(monkeypatch) -> 
     assert fits == 1
     assert not any("skipped" in a.causes[0].evidence for a in spikes)
     assert len({(a.causes[0].cause, a.causes[0].score) for a in spikes}) == 1
+
+
+def _weights(s: dict[str, np.ndarray], every: int = 50) -> None:
+    """``param_norm/<module>`` sampled every ``every`` steps (NaN elsewhere: absent), as the capture's default."""
+    rng = np.random.default_rng(1)
+    for name, level in (("h.1.mlp", 9.5), ("h.0.attn", 4.0)):
+        values = np.full(N, np.nan)
+        values[::every] = level * np.exp(rng.normal(0, 0.003, len(values[::every])))
+        s[f"param_norm/{name}"] = values
+
+
+def _layer_grad_explodes(s: dict[str, np.ndarray], at: int) -> None:
+    s["grad_norm"][at:] *= 8.0
+    s["grad_norm/h.1.attn"][at:] *= 40.0  # (stands in for the corrupted module's gradient)
+
+
+def test_weights_that_jump_with_the_lr_on_schedule_are_a_hardware_fault() -> None:
+    """A bit flip in memory turns one weight into 1e4: the module's gradient explodes at once and its sampled weight
+    norm is 1,000x up at the next sample, with nothing in the LR or loss. The incident (grad explosion at 380, weight
+    jump found at 400) is re-ranked: hardware_fault, not "unknown"."""
+    s = base()
+    _weights(s)
+    _layer_grad_explodes(s, 380)
+    s["param_norm/h.1.mlp"][400::50] *= 1000.0
+    _, diag = diagnose(s)
+    [incident] = [i for i in diag.incidents if i.onset >= 370]
+    assert "param_jump" in incident.kinds
+    head = incident.headline
+    assert head.onset == 380 and head.causes[0].cause == "hardware_fault", head.causes
+    evidence = head.causes[0].evidence
+    assert "param_norm/h.1.mlp jumped" in evidence and "20 steps after the onset" in evidence
+
+
+def test_weights_that_jump_after_an_lr_jump_are_the_lr_and_a_steady_run_has_no_weight_jump() -> None:
+    s = base()
+    _weights(s)
+    s["lr"][380:] *= 100.0
+    s["param_norm/h.1.mlp"][400::50] *= 30.0
+    _, diag = diagnose(s)
+    jumps = [f for i in diag.incidents for f in i.findings if f.kind == "param_jump"]
+    assert jumps and jumps[0].causes[0].cause == "lr_too_high", jumps
+    assert all(c.cause != "hardware_fault" for i in diag.incidents for c in i.headline.causes[:1])
+    steady = base()
+    _weights(steady)
+    steady["param_norm/h.1.mlp"][::50] *= np.linspace(1.0, 3.0, len(steady["param_norm/h.1.mlp"][::50]))  # growth
+    alerts, diag = diagnose(steady)
+    assert alerts == [] and not [f for i in diag.incidents for f in i.findings if f.kind == "param_jump"]
+
+
+def test_weights_moved_by_a_bad_batch_gradient_are_not_blamed_on_hardware() -> None:
+    """SGD without clipping applies a bad batch's huge gradient: the weights jump too, after the loss spike."""
+    s = base()
+    _weights(s)
+    s["loss"][380:383] *= 3.0
+    s["param_norm/h.1.mlp"][400::50] *= 20.0
+    _, diag = diagnose(s)
+    jumps = [f for i in diag.incidents for f in i.findings if f.kind == "param_jump"]
+    assert jumps and jumps[0].causes[0].cause == "bad_batch", jumps[0].causes
+    [incident] = [i for i in diag.incidents if i.onset >= 370]
+    assert incident.headline.kind == "loss_spike" and incident.headline.causes[0].cause == "bad_batch"
