@@ -412,6 +412,11 @@ def _param_jump_rules(finding: Finding, history: History, hints: _Hints, recent:
         why = off if off is not None else f"the lr changed at step {changed}"
         hints.add("lr_too_high", 0.85, f"{what}; {why}: the updates grew the weights", "lr")
         return
+    if history.lr.last is None:  # nothing rules an LR change out (a hand-written update with no lr logged)
+        hints.add("lr_too_high", 0.55, f"{what}; no lr is logged to rule out a step size that jumped "
+                                       "(handle.observe('lr', lr))", "lr")
+        hints.add("hardware_fault", 0.5, f"{what}: or weights written outside the optimizer (a bit flip)")
+        return
     spike = next((f for f in recent if f.kind == "loss_spike" and 0 <= t0 - f.onset <= PARAM_SAMPLES), None)
     if spike is not None:  # one huge gradient step (SGD without clipping) moves weights this far too
         hints.add("bad_batch", 0.6, f"{what}, after the loss spike at step {spike.onset}: a batch whose huge "

@@ -612,6 +612,13 @@ def test_weights_that_jump_after_an_lr_jump_are_the_lr_and_a_steady_run_has_no_w
     jumps = [f for i in diag.incidents for f in i.findings if f.kind == "param_jump"]
     assert jumps and jumps[0].causes[0].cause == "lr_too_high", jumps
     assert all(c.cause != "hardware_fault" for i in diag.incidents for c in i.headline.causes[:1])
+    unlogged = base()  # a hand-written update with no lr logged: nothing rules an LR change out
+    del unlogged["lr"]
+    _weights(unlogged)
+    unlogged["param_norm/h.1.mlp"][400::50] *= 30.0
+    _, diag = diagnose(unlogged)
+    jumps = [f for i in diag.incidents for f in i.findings if f.kind == "param_jump"]
+    assert jumps and [c.cause for c in jumps[0].causes[:2]] == ["lr_too_high", "hardware_fault"], jumps[0].causes
     steady = base()
     _weights(steady)
     steady["param_norm/h.1.mlp"][::50] *= np.linspace(1.0, 3.0, len(steady["param_norm/h.1.mlp"][::50]))  # growth
