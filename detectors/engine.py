@@ -576,7 +576,7 @@ class RunDiagnoser:
             if incident.headline is head and head is not finding and (
                     finding.kind in KIND_CAUSE or finding.kind == "param_jump"
                     or _grew_unexplained(head, finding, suite.history)):
-                self._rerank(suite, incident, head)
+                self._rerank(suite, incident, head, only_stronger=finding.kind == "param_jump")
             incident.last_step = max(incident.last_step, finding.step)
             if finding.end is not None:
                 incident.end = max(incident.end or finding.end, finding.end)
@@ -624,12 +624,18 @@ class RunDiagnoser:
             return finding
         return dataclasses.replace(finding, evidence={**finding.evidence, "rediagnoses": float(earliest)})
 
-    def _rerank(self, suite: _RankSuite, incident: Incident, head: Finding, *, reverted: bool = False) -> None:
+    def _rerank(self, suite: _RankSuite, incident: Incident, head: Finding, *, reverted: bool = False,
+                only_stronger: bool = False) -> None:
         """Rank the headline again with a structural finding that joined later (one incident, all evidence), or,
-        with ``reverted``, as the one-record jump it turned out to be (:func:`_one_record_jump`)."""
+        with ``reverted``, as the one-record jump it turned out to be (:func:`_one_record_jump`). ``only_stronger``
+        (a weight jump seen at a later sample): the new ranking replaces the headline's only if its first cause
+        scores higher (rules that read the records right after the onset, such as the runaway rule, cannot speak
+        again 20-50 steps later)."""
         if reverted:
             head = dataclasses.replace(head, evidence={**head.evidence, "reverted": 1.0})
         ranking = rank_causes(head, suite.history, incident.findings, oddity=self._oddity)
+        if only_stronger and head.causes and (not ranking.causes or ranking.causes[0].score <= head.causes[0].score):
+            return
         index = next(i for i, f in enumerate(incident.findings) if f is incident.headline)
         before = incident.findings[index]
         incident.findings[index] = dataclasses.replace(head, causes=ranking.causes,
