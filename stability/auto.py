@@ -13,7 +13,8 @@ Fast exit: at interpreter exit the handle waits only for the records to reach Re
 ``STABILITY_EXIT_FLUSH_S`` seconds, default 1), records the run's end and prints the summary line; the local
 worker finishes the diagnosis after the process has gone (findings.json and report.html appear in the run
 directory shortly after), then the supervisor stops it and redis-server. ``STABILITY_EXIT_WAIT_DRAIN=1`` makes the
-exit wait for the worker instead (the report exists when the process ends).
+exit wait for the worker instead (the report exists when the process ends). A script that ends with ``os._exit``
+(which skips atexit) gets the same close first: ``os._exit`` is wrapped, in this process only.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import atexit
 import logging
 import os
 import sys
+import threading
+from typing import NoReturn
 
 from stability._watch import Handle, watch
 
@@ -65,3 +68,30 @@ else:
                      flush_s=_env_seconds("STABILITY_EXIT_FLUSH_S"))
 
     atexit.register(_close_at_exit)
+
+    _real_exit = os._exit
+    _main_pid = os.getpid()
+    EXIT_CLOSE_S = 10.0
+    """Upper bound of the close done for ``os._exit`` (on a helper thread: a lock held elsewhere can delay the exit,
+    never prevent it)."""
+
+    def _exit_closing(status: int, handle: Handle = handle) -> NoReturn:
+        """``os._exit`` skips atexit: a script that ends with it (to skip a slow NCCL or DataLoader teardown) lost
+        its last records and was recorded as died ("vanished without a clean close"). Close first (bounded), as
+        finished for status 0, else died; then exit. Forked children (DataLoader workers) exit untouched."""
+        if os.getpid() == _main_pid:
+            died = None if status == 0 else f"os._exit({status})"
+
+            def close() -> None:
+                try:
+                    handle.close(died=died, wait_drained=_env_flag("STABILITY_EXIT_WAIT_DRAIN"),
+                                 flush_s=_env_seconds("STABILITY_EXIT_FLUSH_S"))
+                except Exception as exc:  # never keep the process alive because the close failed
+                    log.warning("stability: close at os._exit failed (%s: %s)", type(exc).__name__, exc)
+
+            helper = threading.Thread(target=close, name="stability-exit", daemon=True)
+            helper.start()
+            helper.join(EXIT_CLOSE_S)
+        _real_exit(status)
+
+    os._exit = _exit_closing  # type: ignore[assignment]

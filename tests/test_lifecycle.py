@@ -52,6 +52,8 @@ SCRIPT = textwrap.dedent("""
         time.sleep(float(os.environ.get("SLEEP", "0.02")))
         if os.path.exists(os.environ.get("STOP", "/nonexistent")):
             break
+    if os.environ.get("OS_EXIT"):  # scripts that skip a slow teardown end this way (atexit does not run)
+        os._exit(int(os.environ["OS_EXIT"]))
 """)
 
 
@@ -173,6 +175,21 @@ def test_clean_end_is_finished(tmp_path: Path) -> None:
     status = json.loads((run_dir / "status.json").read_text())
     assert (status["status"], status["step"]) == ("finished", 39)
     assert _findings(run_dir)["steps"] == 40
+
+
+@pytest.mark.parametrize(("code", "status"), [(0, "finished"), (3, "died")])
+def test_os_exit_closes_the_run_first(tmp_path: Path, code: int, status: str) -> None:
+    """``os._exit`` skips atexit: the last step's record was lost and a clean end was recorded as died ("vanished
+    without a clean close"). ``import stability.auto`` closes first: every record, finished (or died, with the
+    status, for a non-zero one)."""
+    proc, run_dir, _marker = _start(tmp_path, STEPS="40", NAN_AT="-1", MARK_AT="-1", SLEEP="0", OS_EXIT=str(code))
+    assert proc.wait(240) == code
+    assert supervisor.wait_stopped(run_dir, 240)
+    state = json.loads((run_dir / "status.json").read_text())
+    assert (state["status"], state["step"]) == (status, 39), state
+    assert state["reason"] == ("" if code == 0 else f"os._exit({code})")
+    assert _findings(run_dir)["steps"] == 40
+    assert not _descendants(proc.pid)
 
 
 def test_exit_waits_for_the_records_not_for_the_worker(tmp_path: Path) -> None:
