@@ -123,10 +123,11 @@ from stability.hooks.discovery import Discovery
 from stability.hooks.following import HANDOVER_STEPS as HANDOVER_STEPS  # re-exported: tests and scripts use it
 from stability.hooks.following import Following, Role, closure_of, with_closure
 from stability.hooks.layout import ParamLayout, build_layout, optimizer_params
+from stability.hooks.measure import Measure, device_of
 from stability.hooks.rhythm import BLIND_AFTER, Rhythm, model_params
 from stability.hooks.schedules import every
-from stability.hooks.staging import ABSENT, Reader, RecordSink, StagedStep, stage
-from stability.hooks.step_state import Snapshot, StepState, Unchanged, forward_tail, observed_win
+from stability.hooks.staging import Reader, RecordSink, StagedStep, stage
+from stability.hooks.step_state import StepState, forward_tail, observed_win
 from stability.hooks.timing import Performance
 from stability.records import MAX_ID_CHARS, MAX_NAME_CHARS
 
@@ -255,8 +256,6 @@ class Capture:
         self._meta: tuple[int, dict[str, int], str] | None = None
         self._framework: str | None = None
         self._drive_steps = False
-        self._own_grad_norm = True
-        self._param_stats = True
         self._own_loss = True
         self._loss_divided = True
         self._rhythm = Rhythm()
@@ -264,10 +263,8 @@ class Capture:
         self._warned_blind = False
         self._perf = Performance(config.run_id, config.resolved_run_dir, config.redis_url, self._emit_host,
                                  lambda: self._metadata()[0], enabled=config.timing)  # hooks/timing.py
-        self._snapshot_buffers: tuple[ParamLayout, list[torch.Tensor]] | None = None
-        self._param_sq_norms: tuple[int, Unchanged] | None = None
-        """Step and squared per-tensor parameter norms after the last sampled step's update."""
-        self._clip_order: tuple[ParamLayout, tuple[int, ...], torch.Tensor | None] | None = None
+        self._measure = Measure(self._layer_due, self._stats_due, config.update_ratio_max_bytes)
+        """The step's statistics on the device and what they keep between steps (hooks/measure.py)."""
 
     # ----------------------------------------------------------------------------------------------- public API
 
@@ -373,8 +370,8 @@ class Capture:
         if self._framework == name:
             self._framework = None
             self._drive_steps = False
-            self._own_grad_norm = True
-            self._param_stats = True
+            self._measure.own_grad_norm = True
+            self._measure.param_stats = True
             self._own_loss = True
             self._loss_divided = True
 
@@ -482,15 +479,8 @@ class Capture:
                    clipped: tuple[torch.Tensor, float] | None = None) -> None:
         """``clip_grad_norm_`` returned: the measured norms, scaled like the gradients, are those of the clipped
         gradients (for Adam's statistic on sampled steps); with no optimizer, the update comes next."""
-        state = self._state
-        if state.clip_measured:
-            state.clip_measured = False
-            kept = state.grad_norms
-            state.grad_norms = None
-            if kept is not None and clipped is not None and self._stats_due(self._step):
-                total, max_norm = clipped
-                coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s own formula
-                state.grad_norms = Unchanged.now(kept.values * coef.to(kept.values.device), kept.tensors)
+        if self._state.clip_measured:
+            self._measure.clipped(self._state, self._step, clipped)
         if self._manual():
             self._rhythm.after_clip()
 
@@ -515,26 +505,10 @@ class Capture:
         self._ensure_layout(params)
         layout = self._layout
         if layout is not None and not self._state.grads_measured:
-            shared = None if norms is None else self._clip_norms(layout, params, norms)
+            shared = None if norms is None else self._measure.clip_norms(layout, params, norms)
             self._measure_grads(norms=shared)
             # the clip scales exactly these gradients by one factor only when it covered the measured ones
             self._state.clip_measured = shared is not None
-
-    def _clip_norms(self, layout: ParamLayout, params: list[torch.Tensor], norms: torch.Tensor) -> torch.Tensor | None:
-        """``norms`` (aligned with ``params``) reordered to the layout's parameters; None when some are missing."""
-        if norms.device != self._device() or norms.numel() != len(params):
-            return None
-        mine = layout.params
-        if len(mine) == len(params) and all(a is b for a, b in zip(mine, params, strict=True)):
-            return norms
-        key = tuple(id(p) for p in params)
-        cached = self._clip_order
-        if cached is None or cached[0] is not layout or cached[1] != key:
-            position = {id(p): i for i, p in enumerate(params)}
-            order = [position.get(id(p), -1) for p in mine]
-            index = None if -1 in order else stats.to_device(torch.tensor(order, dtype=torch.int64), norms.device)
-            cached = self._clip_order = (layout, key, index)
-        return None if cached[2] is None else norms.index_select(0, cached[2])
 
     @_hook
     def before_scaler_step(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -701,8 +675,8 @@ class Capture:
             logger.info("stability: adapter %s replaces adapter %s", name, self._framework)
         self._framework = name
         self._drive_steps = drive_steps
-        self._own_grad_norm = grad_norm
-        self._param_stats = param_stats
+        self._measure.own_grad_norm = grad_norm
+        self._measure.param_stats = param_stats
         if optimizer is not None or model is not None:
             # an optimizer adopted before (e.g. stepped during framework setup) is dropped
             self._follow.optimizer = optimizer
@@ -723,13 +697,8 @@ class Capture:
             if grads is not None and len(grads) != len(layout.params):
                 raise RecordError(f"begin_step(): {len(grads)} gradients for {len(layout.params)} parameters")
             self._measure_grads(None if grads is None else list(grads), layers=layers)
-        if (
-            self._param_stats
-            and state.snapshot is None
-            and self._stats_due(self._step)
-            and layout.total_bytes <= self.config.update_ratio_max_bytes
-        ):
-            state.snapshot = self._snapshot(layout)
+        if self._measure.param_stats:
+            self._measure.snapshot_if_due(layout, state, self._step)
 
     @_hook
     def _end_external(self, skipped: bool | float | torch.Tensor | None) -> None:
@@ -775,13 +744,7 @@ class Capture:
             return
         if rhythm.eager:
             self._measure_grads()
-        layout = self._layout
-        if (
-            state.snapshot is None
-            and self._stats_due(self._step)
-            and layout.total_bytes <= self.config.update_ratio_max_bytes
-        ):
-            state.snapshot = self._snapshot(layout)
+        self._measure.snapshot_if_due(self._layout, state, self._step)
 
     def _close_manual(self, reason: str, *, grads_intact: bool) -> None:
         """End the step in progress of a loop without an optimizer (see :mod:`stability.hooks.rhythm`)."""
@@ -842,10 +805,11 @@ class Capture:
         model = ", ".join(type(r).__name__ for r in self._roots) or "(not found)"
         numel = sum(p.numel() for p in layout.params)
         size = f"{numel / 1e6:.1f}M" if numel >= 100_000 else f"{numel / 1e3:.1f}k"
-        seen = ["loss", "grad_norm" if self._own_grad_norm else "", "nonfinite_grads" if self._own_grad_norm else ""]
+        own = self._measure.own_grad_norm
+        seen = ["loss", "grad_norm" if own else "", "nonfinite_grads" if own else ""]
         if self.config.layer_every:
             seen.append("per-layer grads")
-        if self.config.stats_every and self._param_stats:
+        if self.config.stats_every and self._measure.param_stats:
             seen.append(f"param norms / update ratios every {self.config.stats_every} steps")
         if optimizer is not None:
             seen.insert(1, "lr")
@@ -875,7 +839,7 @@ class Capture:
         tracked one did not): a new training phase. The layout is rebuilt over its parameters, and the phase's
         first record carries ``phase_start`` (the detectors re-baseline: another objective's loss is not a spike).
         When its parameters are not the model's, the model is found again from the next step's forward passes."""
-        self._layout, self._layout_has_optimizer, self._snapshot_buffers = None, False, None
+        self._layout, self._layout_has_optimizer, self._measure.snapshot_buffers = None, False, None
         self._state.objectives = 1
         self._state.host["phase_start"] = 1.0
         owned = {id(p) for root in self._roots for p in root.parameters()}
@@ -897,36 +861,8 @@ class Capture:
                 state.parts.append((["lr"], lr.detach().reshape(-1)[:1]))
             elif isinstance(lr, (int, float)):
                 state.host["lr"] = float(lr)
-        layout = self._layout
-        if (
-            layout is not None
-            and state.snapshot is None
-            and self._stats_due(self._step)
-            and layout.total_bytes <= self.config.update_ratio_max_bytes
-        ):
-            state.snapshot = self._snapshot(layout)
-
-    def _snapshot(self, layout: ParamLayout) -> Snapshot:
-        """The parameters' values now, copied into buffers kept for the capture's life (allocating fresh memory on
-        every sampled step cost several times the copy itself), and their norms (``‖w before‖`` of the update
-        ratio): those the previous step measured after its update when it was sampled and the parameters did not
-        change since (every step with ``stats_every=1``), else read right after the copy. Only the step just before
-        counts, as a loop without an optimizer updates through ``p.data`` (which torch does not count as a change)
-        between two sampled steps. Not seen: a change through ``p.data`` between the optimizer step and the next
-        one (e.g. weight clipping written as ``p.data.clamp_()``); ``‖w before‖`` is then that of before it."""
-        params = layout.params
-        kept = self._snapshot_buffers
-        if kept is None or kept[0] is not layout or any(
-            b.shape != p.shape or b.dtype != p.dtype or b.device != p.device
-            for b, p in zip(kept[1], params, strict=True)
-        ):
-            kept = self._snapshot_buffers = (layout, [torch.empty_like(p, requires_grad=False) for p in params])
-        with torch.no_grad():
-            torch._foreach_copy_(kept[1], params)
-        last = self._param_sq_norms
-        if last is not None and last[0] == self._step - 1 and last[1].holds_for(params):  # ‖w after‖ of that step
-            return Snapshot(kept[1], last[1].values)
-        return Snapshot(kept[1], stats.tensor_norms(kept[1], self._device()).square())
+        if self._layout is not None:
+            self._measure.snapshot_if_due(self._layout, state, self._step)
 
     def _ensure_layout(self, params: list[torch.Tensor] | None) -> None:
         """Find the model (auto mode) and group the measured parameters by module, once."""
@@ -956,41 +892,14 @@ class Capture:
         self._discovery.start(self._on_any_forward_pre, self._on_any_forward)
 
     def _device(self) -> torch.device:
-        layout = self._layout
-        if layout is not None and layout.params:
-            return layout.params[0].device
-        return torch.device("cpu")
+        return device_of(self._layout)
 
     def _measure_grads(self, given: list[torch.Tensor | None] | None = None, *, layers: bool = True,
                        norms: torch.Tensor | None = None) -> None:
-        """Global and per-module gradient norms and the non-finite count, on the device.
-
-        One fused pass gives the per-tensor norms (``norms``: already computed by the ``clip_grad_norm_`` patch,
-        aligned with the layout's parameters); the global norm, the per-module norms and whether any element is
-        non-finite all come from them (see :func:`stats.nonfinite_given_norm`).
-        With ``use_framework(grad_norm=False)`` only the per-module norms are measured, on ``layer_every`` steps.
-        """
+        """The step's gradient statistics (:meth:`Measure.grads`)."""
         layout = self._layout
         assert layout is not None
-        state = self._state
-        state.grads_measured = True
-        state.grad_parts = []
-        layer_due = layers and self._layer_due(self._step) and bool(layout.modules)
-        if not self._own_grad_norm and not layer_due:
-            return
-        device = self._device()
-        grads = [p.grad for p in layout.params] if given is None else given
-        if norms is None:
-            norms = stats.tensor_norms(grads, device)
-        if given is None and self._stats_due(self._step):
-            state.grad_norms = Unchanged.now(norms, grads)
-        if self._own_grad_norm:
-            total = torch.linalg.vector_norm(norms).reshape(1)
-            state.grad_parts.append((["grad_norm"], total))
-            state.grad_parts.append((["nonfinite_grads"], stats.nonfinite_given_norm(grads, total, device)))
-        if layer_due:
-            per_module = stats.segment_sum(norms.square(), layout.index(device), len(layout.modules)).sqrt()
-            state.grad_parts.append((layout.names("grad_norm"), per_module))
+        self._measure.grads(layout, self._state, self._step, given, layers=layers, norms=norms)
 
     def _finish_step(self, optimizer: torch.optim.Optimizer | None, skipped: float | None) -> None:
         """Complete the step: sampled statistics, loss, scaler signals; stage the record; prepare the next step."""
@@ -1000,7 +909,7 @@ class Capture:
             self._rediscover = self._layout_has_optimizer = False
         try:
             if self._stats_due(step) and self._layout is not None:
-                self._sampled_stats(optimizer, state)
+                self._measure.sampled(self._layout, state, step, optimizer, self._follow.co)
             self._loss_and_scaler(optimizer, state, skipped)
             state.host.update(self._perf.end_step(step, self._device(), state.observed_host))
             self._submit(state, step)
@@ -1012,78 +921,6 @@ class Capture:
                 if id(root) not in self._perf.hooked:
                     self._perf.hooked.append(id(root))
                     self._handles.append(root.register_forward_pre_hook(self._on_model_forward))
-
-    def _sampled_stats(self, optimizer: torch.optim.Optimizer | None, state: StepState) -> None:
-        layout = self._layout
-        assert layout is not None
-        if not self._param_stats:
-            self._activation_stats(state)
-            return
-        device, n = self._device(), len(layout.modules)
-        index = layout.index(device)
-        params, snapshot = layout.params, state.snapshot
-        with torch.no_grad():
-            if snapshot is None:
-                per_tensor = stats.tensor_norms(params, device).square()
-                param_sq = stats.segment_sum(per_tensor, index, n)
-            else:  # one pass makes -delta in the kept buffers, one fused norm pass reads the parameters and them
-                torch._foreach_sub_(snapshot.buffers, params)
-                both = stats.tensor_norms([*params, *snapshot.buffers], device).square()
-                sums = stats.segment_sum(both, layout.index(device, repeat=2), 2 * n)
-                before_sq = stats.segment_sum(snapshot.sq_norms, index, n)
-                per_tensor, param_sq = both[: len(params)], sums[:n]
-                # a module whose weights were all zero before the step (a zero-initialised positional embedding,
-                # gate or bias-only module) is measured against its weights after it (1.0 when it just left zero)
-                denom = torch.where(before_sq > 0, before_sq, sums[:n]).clamp_min(torch.finfo(before_sq.dtype).tiny)
-                state.parts.append((layout.names("update_ratio"), (sums[n:] / denom).sqrt()))
-                state.snapshot = None
-        self._param_sq_norms = (self._step, Unchanged.now(per_tensor, params))
-        state.parts.append((layout.names("param_norm"), param_sq.sqrt()))
-        adam = self._adam_state([optimizer, *self._follow.co] if optimizer is not None else [], layout.params)
-        if adam is not None:
-            vs, beta2, steps = adam
-            known = state.grad_norms
-            if known is not None and known.holds_for([p.grad for p in layout.params]):  # no 2nd pass over them
-                g_sq, v_prev = stats.adam_lag(None, vs, beta2, steps, index, n, device, grad_norms=known.values)
-            else:
-                gs = [p.grad if v is not None else None for p, v in zip(layout.params, vs, strict=True)]
-                g_sq, v_prev = stats.adam_lag(gs, vs, beta2, steps, index, n, device)
-            ratio = torch.where(v_prev > 0, g_sq / v_prev, torch.full_like(v_prev, ABSENT))
-            state.parts.append((layout.names("adam_v_ratio"), ratio))
-        self._activation_stats(state)
-
-    @staticmethod
-    def _adam_state(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]) -> tuple[
-            list[torch.Tensor | None], list[float], list[torch.Tensor | float | None]] | None:
-        """Adam's ``exp_avg_sq``, ``beta2`` and ``step`` per parameter (None where a parameter has no such state),
-        or None when no parameter has one (not an Adam-family optimizer). ``optimizers``: the tracked one and the
-        co-stepping ones (each parameter's state is in the one that holds it)."""
-        if not optimizers:
-            return None
-        groups = [g for o in optimizers for g in o.param_groups]
-        betas = [float(g.get("betas", (0.9, 0.999))[1]) for g in groups]
-        found = [next((o.state[p] for o in optimizers if p in o.state), None) for p in params]
-        vs: list[torch.Tensor | None] = []
-        steps: list[torch.Tensor | float | None] = []
-        for st in found:
-            v = None if st is None else st.get("exp_avg_sq")
-            vs.append(v if isinstance(v, torch.Tensor) else None)
-            steps.append(None if st is None else st.get("step"))
-        if all(v is None for v in vs):
-            return None
-        if len(set(betas)) == 1:  # the usual case (a parameter outside the groups has no state: its beta2 is unused)
-            return vs, [betas[0]] * len(params), steps
-        beta2_of = {id(p): b for g, b in zip(groups, betas, strict=True) for p in g["params"]}
-        return vs, [beta2_of.get(id(p), 0.999) for p in params], steps
-
-    def _activation_stats(self, state: StepState) -> None:
-        if state.acts:
-            names = list(state.acts)
-            absmax, rms = stats.activation_summary([state.acts[name] for name in names])
-            state.parts.append(([f"act_absmax/{m}" for m in names], absmax))
-            state.parts.append(([f"act_rms/{m}" for m in names], rms))
-        if state.logit_z:
-            state.parts.append((["logit_z"], torch.stack(state.logit_z).mean().reshape(1)))
 
     def _loss_and_scaler(
         self, optimizer: torch.optim.Optimizer | None, state: StepState, skipped: float | None
