@@ -256,8 +256,6 @@ class Capture:
         self._meta: tuple[int, dict[str, int], str] | None = None
         self._framework: str | None = None
         self._drive_steps = False
-        self._own_loss = True
-        self._loss_divided = True
         self._rhythm = Rhythm()
         self._backward_calls = 0
         self._warned_blind = False
@@ -361,8 +359,8 @@ class Capture:
         loss_divided: bool = True,
     ) -> None:
         """Let framework adapter ``name`` feed this capture; see the module docstring. Never raises."""
-        self._own_loss = own_loss
-        self._loss_divided = loss_divided
+        self._measure.own_loss = own_loss
+        self._measure.loss_divided = loss_divided
         self._use_framework(name, model, optimizer, drive_steps, grad_norm, param_stats)
 
     def release_framework(self, name: str) -> None:
@@ -372,8 +370,8 @@ class Capture:
             self._drive_steps = False
             self._measure.own_grad_norm = True
             self._measure.param_stats = True
-            self._own_loss = True
-            self._loss_divided = True
+            self._measure.own_loss = True
+            self._measure.loss_divided = True
 
     def begin_step(self, grads: Sequence[torch.Tensor | None] | None = None, *, layers: bool = True) -> None:
         """The current step's gradients are final: measure them (``grads`` aligned with :attr:`measured_params`,
@@ -910,7 +908,7 @@ class Capture:
         try:
             if self._stats_due(step) and self._layout is not None:
                 self._measure.sampled(self._layout, state, step, optimizer, self._follow.co)
-            self._loss_and_scaler(optimizer, state, skipped)
+            self._measure.loss_and_scaler(self._layout, state, optimizer, skipped, self._scaler_call)
             state.host.update(self._perf.end_step(step, self._device(), state.observed_host))
             self._submit(state, step)
         finally:
@@ -921,42 +919,6 @@ class Capture:
                 if id(root) not in self._perf.hooked:
                     self._perf.hooked.append(id(root))
                     self._handles.append(root.register_forward_pre_hook(self._on_model_forward))
-
-    def _loss_and_scaler(
-        self, optimizer: torch.optim.Optimizer | None, state: StepState, skipped: float | None
-    ) -> None:
-        framework = bool(state.framework_losses)
-        own = state.framework_losses or (state.losses if self._own_loss else [])
-        if own:
-            device = own[0].device
-            losses = torch.stack([x.to(device, non_blocking=True) for x in own])
-            # a framework's micro-batch losses are not divided by the accumulation steps: their mean is the loss;
-            # the tensors a plain loop calls backward() on are (nanoGPT, HF: loss / accumulation steps): their sum
-            total = losses.mean() if framework or len(own) == 1 or not self._loss_divided else losses.sum()
-            state.parts.append((["loss"], total.reshape(1)))
-            state.host["micro_batches"] = float(len(own))
-        if state.objectives > 1:
-            state.host["objectives"] = float(state.objectives)
-        call = self._scaler_call
-        scaler = call[0] if call is not None else state.scaler
-        if scaler is None or not getattr(scaler, "_enabled", False):
-            return
-        scale = getattr(scaler, "_scale", None)
-        if isinstance(scale, torch.Tensor):
-            state.parts.append((["loss_scale"], scale.detach().reshape(-1)[:1].clone()))
-        if skipped is not None:
-            state.host["skipped"] = skipped
-        elif optimizer is not None and call is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
-            state.parts.append((["skipped"], self._found_inf(scaler, optimizer)))
-        else:
-            state.host["skipped"] = 0.0
-
-    def _found_inf(self, scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """1.0 if the scaler found inf/NaN gradients for ``optimizer`` (fused optimizers skip internally)."""
-        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        device = self._device()
-        flags = [t.to(device, dtype=torch.float32, non_blocking=True).reshape(1) for t in found.values()]
-        return (torch.cat(flags).sum() > 0).to(torch.float32).reshape(1)
 
     def _submit(self, state: StepState, step: int) -> None:
         assert self._reader is not None

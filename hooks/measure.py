@@ -1,4 +1,4 @@
-"""A step's statistics on the device: gradient norms, parameter norms, update ratios, Adam's v ratio, activations.
+"""A step's statistics on the device: gradient and parameter norms, update ratios, Adam's v ratio, activations, loss.
 
 :class:`Measure` computes what a record carries about the measured parameters (a
 :class:`~stability.hooks.layout.ParamLayout`) into the step's :class:`~stability.hooks.step_state.StepState`, and
@@ -15,6 +15,7 @@ outside forward (ZeRO-3), no parameter statistics.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from stability.hooks.schedules import Schedule
 from stability.hooks.staging import ABSENT
 from stability.hooks.step_state import Snapshot, StepState, Unchanged
 
-__all__ = ["Measure", "activation_stats", "adam_state", "device_of"]
+__all__ = ["Measure", "activation_stats", "adam_state", "device_of", "found_inf"]
 
 
 def device_of(layout: ParamLayout | None) -> torch.device:
@@ -37,8 +38,8 @@ def device_of(layout: ParamLayout | None) -> torch.device:
 class Measure:
     """The capture's on-device statistics and the state they keep between steps."""
 
-    __slots__ = ("_clip_order", "_layer_due", "_max_bytes", "_param_sq_norms", "_stats_due", "own_grad_norm",
-                 "param_stats", "snapshot_buffers")
+    __slots__ = ("_clip_order", "_layer_due", "_max_bytes", "_param_sq_norms", "_stats_due", "loss_divided",
+                 "own_grad_norm", "own_loss", "param_stats", "snapshot_buffers")
 
     def __init__(self, layer_due: Schedule, stats_due: Schedule, max_bytes: int) -> None:
         self._layer_due = layer_due
@@ -49,6 +50,10 @@ class Measure:
         """The global grad norm and ``nonfinite_grads`` are measured here (not given by a framework)."""
         self.param_stats = True
         """``param_norm`` / ``update_ratio`` / ``adam_v_ratio`` are measured."""
+        self.own_loss = True
+        """The losses ``backward()`` ran on are the step's loss (else only the framework's / observed ones)."""
+        self.loss_divided = True
+        """Those losses are divided by the accumulation steps (their sum is the loss; else their mean)."""
         self.snapshot_buffers: tuple[ParamLayout, list[torch.Tensor]] | None = None
         """The layout and the buffers its parameters are copied into before a sampled step."""
         self._param_sq_norms: tuple[int, Unchanged] | None = None
@@ -178,6 +183,36 @@ class Measure:
             state.parts.append((layout.names("adam_v_ratio"), ratio))
         activation_stats(state)
 
+    def loss_and_scaler(self, layout: ParamLayout | None, state: StepState, optimizer: torch.optim.Optimizer | None,
+                        skipped: float | None, scaler_call: tuple[Any, torch.optim.Optimizer, int] | None) -> None:
+        """Every step's ``loss`` and ``micro_batches`` (the capture's loss rule), ``objectives``, and with an enabled
+        ``GradScaler`` (``scaler_call``: the ``GradScaler.step`` in progress) ``loss_scale`` and ``skipped``."""
+        framework = bool(state.framework_losses)
+        own = state.framework_losses or (state.losses if self.own_loss else [])
+        if own:
+            device = own[0].device
+            losses = torch.stack([x.to(device, non_blocking=True) for x in own])
+            # a framework's micro-batch losses are not divided by the accumulation steps: their mean is the loss;
+            # the tensors a plain loop calls backward() on are (nanoGPT, HF: loss / accumulation steps): their sum
+            total = losses.mean() if framework or len(own) == 1 or not self.loss_divided else losses.sum()
+            state.parts.append((["loss"], total.reshape(1)))
+            state.host["micro_batches"] = float(len(own))
+        if state.objectives > 1:
+            state.host["objectives"] = float(state.objectives)
+        scaler = scaler_call[0] if scaler_call is not None else state.scaler
+        if scaler is None or not getattr(scaler, "_enabled", False):
+            return
+        scale = getattr(scaler, "_scale", None)
+        if isinstance(scale, torch.Tensor):
+            state.parts.append((["loss_scale"], scale.detach().reshape(-1)[:1].clone()))
+        if skipped is not None:
+            state.host["skipped"] = skipped
+        elif (optimizer is not None and scaler_call is not None
+              and getattr(optimizer, "_step_supports_amp_scaling", False)):
+            state.parts.append((["skipped"], found_inf(scaler, optimizer, device_of(layout))))
+        else:
+            state.host["skipped"] = 0.0
+
 
 def adam_state(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]) -> tuple[
         list[torch.Tensor | None], list[float], list[torch.Tensor | float | None]] | None:
@@ -212,3 +247,10 @@ def activation_stats(state: StepState) -> None:
         state.parts.append(([f"act_rms/{m}" for m in names], rms))
     if state.logit_z:
         state.parts.append((["logit_z"], torch.stack(state.logit_z).mean().reshape(1)))
+
+
+def found_inf(scaler: Any, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor:
+    """1.0 if the scaler found inf/NaN gradients for ``optimizer`` (fused optimizers skip internally)."""
+    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    flags = [t.to(device, dtype=torch.float32, non_blocking=True).reshape(1) for t in found.values()]
+    return (torch.cat(flags).sum() > 0).to(torch.float32).reshape(1)
