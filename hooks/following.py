@@ -91,8 +91,9 @@ class Following:
         self._auto = False
         """Auto mode: every optimizer's steps reach the hooks (so another one can replace or take over)."""
         self._ignored: set[int] = set()
-        self._same_params: dict[int, tuple[weakref.ref[torch.optim.Optimizer], bool]] = {}
-        """id of another optimizer -> (it, whether it holds exactly the tracked one's parameters)."""
+        self._same_params: dict[
+            int, tuple[weakref.ref[torch.optim.Optimizer], weakref.ref[torch.optim.Optimizer], bool]] = {}
+        """id of another optimizer -> (it, the tracked one when asked, whether it holds exactly its parameters)."""
         self._foreign_run: tuple[int, int] = (0, 0)
         """id of the other optimizer that stepped since the tracked one last did, and how many times in a row."""
 
@@ -176,14 +177,16 @@ class Following:
         self._foreign_run = (0, 0)
 
     def _replaces(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` holds exactly the tracked optimizer's parameters (cached per optimizer)."""
+        """Whether ``optimizer`` holds exactly the tracked optimizer's parameters (cached per optimizer, for as long
+        as the tracked one is the same: after a replacement or a new phase the answer is another one's)."""
+        tracked = self.optimizer
+        if tracked is None:
+            return False
         known = self._same_params.get(id(optimizer))
-        if known is None or known[0]() is not optimizer:
-            tracked = self.optimizer
-            same = tracked is not None and {id(p) for p in optimizer_params(optimizer)} == {
-                id(p) for p in optimizer_params(tracked)}
-            known = self._same_params[id(optimizer)] = (weakref.ref(optimizer), same)
-        return known[1]
+        if known is None or known[0]() is not optimizer or known[1]() is not tracked:
+            same = {id(p) for p in optimizer_params(optimizer)} == {id(p) for p in optimizer_params(tracked)}
+            known = self._same_params[id(optimizer)] = (weakref.ref(optimizer), weakref.ref(tracked), same)
+        return known[2]
 
 
 def _closure_index(optimizer: torch.optim.Optimizer, args: tuple[Any, ...]) -> int:

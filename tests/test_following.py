@@ -93,3 +93,19 @@ def test_closure_is_found_and_replaced_positionally_or_by_keyword() -> None:
     assert closure_of(opt, (opt,), {}) is None
     assert with_closure(opt, (opt, closure), {}, wrapped) == ((opt, wrapped), {})
     assert with_closure(opt, (opt,), {"closure": closure}, wrapped) == ((opt,), {"closure": wrapped})
+
+
+def test_same_parameters_are_asked_of_the_tracked_optimizer_of_now() -> None:
+    """Bug fixed: the "same parameters as the tracked one" answer was cached per optimizer only, so an optimizer that
+    once replaced the tracked one replaced any later tracked one too (here the new phase's, over other parameters)
+    at once, with no new phase and the layout of the other parameters kept."""
+    w, v = _param(), _param()
+    first, again, phase = _opt(w), _opt(w), _opt(v)
+    follow = Following()
+    follow.start(None)
+    follow.adopt(first)
+    assert follow.adopt(again) is Role.OURS  # the same parameters: a replacement
+    follow.step_ended(0)
+    assert [follow.adopt(phase) for _ in range(HANDOVER_STEPS)][-1] is Role.PHASE
+    follow.step_ended(1)
+    assert follow.adopt(again) is Role.OTHER and follow.optimizer is phase  # w is not the new phase's parameters
