@@ -49,11 +49,12 @@ an optimizer; WARNING without one, which names what it cannot see), and warns wh
 
 Auto mode (``attach()``): ``torch.Tensor.backward``/``torch.autograd.backward`` are patched for the loss (see
 :mod:`stability.hooks.torch_patches`); global optimizer step hooks follow the *first* optimizer that steps. Other
-optimizers: one over the same parameters replaces it (a loop that creates its optimizer again each epoch); those
-stepping right after it on the same gradients (no ``backward()`` between) join its record (:meth:`_costeps`);
-one that steps :data:`HANDOVER_STEPS` times in a row on its own losses while the tracked one does not starts a new
-phase (:meth:`_new_phase`); the rest are ignored (logged once). ``step(closure)`` is one step whose loss and
-gradients are the closure's first call's (:meth:`_closure_step`). Global module forward hooks, active only until
+optimizers (rules in :mod:`stability.hooks.following`): one over the same parameters replaces it (a loop that
+creates its optimizer again each epoch); those stepping right after it on the same gradients (no ``backward()``
+between) join its record; one that steps :data:`~stability.hooks.following.HANDOVER_STEPS` times in a row on its
+own losses while the tracked one does not starts a new phase (:meth:`Capture._new_phase`); the rest are ignored
+(logged once). ``step(closure)`` is one step whose loss and gradients are the closure's first call's
+(:meth:`Capture._closure_step`). Global module forward hooks (:mod:`stability.hooks.discovery`), active only until
 that first step, note the outermost modules that ran forward, and those holding the optimizer's parameters are the
 model (a ``torch.compile`` wrapper's ``_orig_mod.`` prefix is dropped from names). In auto mode the first step
 therefore has no activation statistics. In a forked child (Hogwild) the capture is off. Explicit mode registers
@@ -106,25 +107,27 @@ import os
 import socket
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from stability.config import WatchConfig
 from stability.errors import RecordError
 from stability.hooks import stats, torch_patches
+from stability.hooks.discovery import Discovery
+from stability.hooks.following import HANDOVER_STEPS as HANDOVER_STEPS  # re-exported: tests and scripts use it
+from stability.hooks.following import Following, Role, closure_of, with_closure
 from stability.hooks.layout import ParamLayout, build_layout, optimizer_params
+from stability.hooks.measure import Measure, device_of
 from stability.hooks.rhythm import BLIND_AFTER, Rhythm, model_params
 from stability.hooks.schedules import every
-from stability.hooks.staging import ABSENT, Reader, RecordSink, StagedStep, stage
+from stability.hooks.staging import Reader, RecordSink, StagedStep, stage
+from stability.hooks.step_state import StepState, forward_tail, observed_win
 from stability.hooks.timing import Performance
 from stability.records import MAX_ID_CHARS, MAX_NAME_CHARS
 
@@ -136,7 +139,6 @@ MAX_ERRORS = 20
 """After this many caught hook errors the capture disables itself."""
 PENDING_LIMIT = 1024
 """Staged steps waiting for the reader thread before the oldest is dropped."""
-_MAX_CANDIDATES = 64
 _TRUE = frozenset({"1", "true", "yes", "on"})
 
 _P = ParamSpec("_P")
@@ -170,25 +172,11 @@ def _is_compiling() -> bool:
     return _COMPILE_CHECK is not None and bool(_COMPILE_CHECK())
 
 
-_COMPILE_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
-"""Start of torch's warning when a compiled module runs while global module hooks are registered."""
-
-HANDOVER_STEPS = 20
-"""Steps in a row of another optimizer (other parameters), with none of the tracked one, that make it the tracked
-one (auto mode): a new training phase. A GAN's generator, or a WGAN critic's 5 steps per generator step, stays
-ignored."""
-
-
 def _forked_child(ref: weakref.ref[Capture]) -> None:
     """``os.fork`` child: the capture's reader, watchdog and session threads are gone, so it turns off there."""
     capture = ref()
     if capture is not None and capture._live():
         capture._forked, capture._disabled = True, True
-
-
-def _closure_index(optimizer: torch.optim.Optimizer, args: tuple[Any, ...]) -> int:
-    """Where a step hook's ``args`` hold the closure: torch passes ``step``'s arguments with the optimizer first."""
-    return 1 if args and args[0] is optimizer else 0
 
 
 def _hook(method: Callable[Concatenate[Capture, _P], None]) -> Callable[Concatenate[Capture, _P], None]:
@@ -210,84 +198,6 @@ def _hook(method: Callable[Concatenate[Capture, _P], None]) -> Callable[Concaten
 
     functools.update_wrapper(guarded, method)
     return guarded
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    """The parameters before a sampled step (in buffers kept for the capture's life) and their per-tensor squared
-    norms (``‖w before‖²`` of the update ratio)."""
-
-    buffers: list[torch.Tensor]
-    sq_norms: torch.Tensor
-
-
-def _storage(t: torch.Tensor | None) -> int:
-    """Where a tensor's values live (0 for None; a sparse gradient has no single storage: its identity and version
-    stand for it)."""
-    return 0 if t is None or t.is_sparse else t.data_ptr()
-
-
-@dataclass
-class _Unchanged:
-    """Per-tensor statistics of some tensors, valid while each is still the same tensor object with the same
-    storage at the same version (torch bumps a tensor's ``_version`` with every in-place change: clipping,
-    unscaling, an optimizer step, ``copy_``/``load_state_dict``). Used so that a later statistic of the same
-    values needs no second pass over them. Not seen: in-place changes made through ``tensor.data``, which torch does
-    not count."""
-
-    values: torch.Tensor
-    tensors: list[torch.Tensor | None]
-    versions: list[int]
-    storage: list[int]
-
-    @classmethod
-    def now(cls, values: torch.Tensor, tensors: Sequence[torch.Tensor | None]) -> _Unchanged:
-        kept = list(tensors)
-        return cls(values, kept, [-1 if t is None else t._version for t in kept],
-                   [_storage(t) for t in kept])
-
-    def holds_for(self, tensors: Sequence[torch.Tensor | None]) -> bool:
-        """True when ``tensors`` are the same tensors, unchanged since the statistics were taken."""
-        return len(tensors) == len(self.tensors) and all(
-            t is k and (t is None or (t._version == v and _storage(t) == d))
-            for t, k, v, d in zip(tensors, self.tensors, self.versions, self.storage, strict=True)
-        )
-
-
-@dataclass
-class _StepState:
-    """What has been collected for the step in progress."""
-
-    losses: list[torch.Tensor] = field(default_factory=list)
-    parts: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
-    host: dict[str, float] = field(default_factory=dict)
-    grads_measured: bool = False
-    grad_parts: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
-    """Gradient statistics, kept apart so a later measurement of the same step replaces them."""
-    grad_norms: _Unchanged | None = None
-    """Per-tensor norms of the gradients as they are now (Adam's statistic reuses them on sampled steps)."""
-    clip_measured: bool = False
-    """The gradients were measured by the ``clip_grad_norm_`` in progress, with the norms it clips with."""
-    lr_recorded: bool = False
-    scaler: Any = None
-    snapshot: _Snapshot | None = None
-    acts: dict[str, list[stats.ActStat]] = field(default_factory=dict)
-    logit_z: list[torch.Tensor] = field(default_factory=list)
-    batch: str | None = None
-    observed: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    observed_host: dict[str, float] = field(default_factory=dict)
-    framework_losses: list[torch.Tensor] = field(default_factory=list)
-    next_batch: str | None = None
-    """A batch id set after a ``backward()`` of this step, before it was known to end."""
-    closure: bool = False
-    """The tracked optimizer steps with a closure (``step(closure)``)."""
-    closure_done: bool = False
-    """Its first call returned: what later calls backpropagate or run forward is left out."""
-    objectives: int = 1
-    """1 + the other optimizers that stepped on losses of their own in this step's window (a GAN: 2)."""
-    forward_marks: tuple[dict[str, int], int] | None = None
-    """Activation / logit entries at the last ``backward()`` (loops without an optimizer: later entries belong to
-    the next step when this one ends at the next ``backward()``)."""
 
 
 class Capture:
@@ -314,7 +224,7 @@ class Capture:
         self._coords_arg = dict(coords or {})
         self._layer_due = every(config.layer_every)
         self._stats_due = every(config.stats_every)
-        self._state = _StepState()
+        self._state = StepState()
         self._step = 0
         self._errors = 0
         self._error_sites: set[str] = set()
@@ -324,59 +234,35 @@ class Capture:
         self._disabled = False
         self._reader: Reader | None = None
         self._handles: list[RemovableHandle] = []
-        self._discovery: list[RemovableHandle] = []
+        self._discovery = Discovery()
+        """Auto mode: the global forward hooks that find the model (hooks/discovery.py)."""
         self._step_hooks: list[RemovableHandle] = []
         self._step_hook_targets: _HookTargets | None = None
         """The (name, module) pairs and the roots ``_step_hooks`` were registered for."""
         self._roots: list[torch.nn.Module] = []
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._ignored: set[int] = set()
+        self._follow = Following()
+        """Which optimizer is tracked and what each optimizer step is to the records (hooks/following.py)."""
         self._layout: ParamLayout | None = None
         self._layout_has_optimizer = False
-        self._candidates: dict[int, weakref.ref[torch.nn.Module]] = {}
-        self._forward = threading.local()
         self._scaled: tuple[weakref.ref[torch.Tensor], Any] | None = None
         self._scaler_call: tuple[Any, torch.optim.Optimizer, int] | None = None
         self._closure: Callable[..., Any] | None = None
         """The wrapped closure :meth:`_step_pre_hook` hands to the step in progress."""
-        self._global_steps = False
-        """Auto mode: every optimizer's steps reach the hooks (so a re-created optimizer can take over)."""
-        self._stepping = False
-        """The tracked optimizer's ``step`` is running (between its pre- and post-step hooks)."""
-        self._same_params: dict[int, tuple[weakref.ref[torch.optim.Optimizer], bool]] = {}
-        """id of another optimizer -> (it, whether it holds exactly the tracked one's parameters)."""
-        self._foreign_run: tuple[int, int] = (0, 0)
-        """id of the other optimizer that stepped since the tracked one last did, and how many times in a row."""
-        self._co: list[torch.optim.Optimizer] = []
-        """Other optimizers that step right after the tracked one on the same backward (modded-nanogpt's Adam for
-        the embeddings and head plus Muon for the matrices): their parameters are measured in the same record."""
-        self._finishing = False
-        """The tracked optimizer stepped; the record ends when the last co-stepping optimizer has stepped too."""
-        self._backward_at_end = -1
-        """``_backward_calls`` when the tracked optimizer's step ended (no backward since: a co-stepping window)."""
         self._rediscover = False
         """After a new phase's first step the layout is built again, once the forward hooks saw its model."""
-        self._warning_filter: Any = None
-        """The warnings filter :meth:`_discover` added (removed with the discovery hooks)."""
         self._forked = False
         """This is a forked child of the process that attached (the capture is off in it)."""
         self._fork_said = False
         self._meta: tuple[int, dict[str, int], str] | None = None
         self._framework: str | None = None
         self._drive_steps = False
-        self._own_grad_norm = True
-        self._param_stats = True
-        self._own_loss = True
-        self._loss_divided = True
         self._rhythm = Rhythm()
         self._backward_calls = 0
         self._warned_blind = False
         self._perf = Performance(config.run_id, config.resolved_run_dir, config.redis_url, self._emit_host,
                                  lambda: self._metadata()[0], enabled=config.timing)  # hooks/timing.py
-        self._snapshot_buffers: tuple[ParamLayout, list[torch.Tensor]] | None = None
-        self._param_sq_norms: tuple[int, _Unchanged] | None = None
-        """Step and squared per-tensor parameter norms after the last sampled step's update."""
-        self._clip_order: tuple[ParamLayout, tuple[int, ...], torch.Tensor | None] | None = None
+        self._measure = Measure(self._layer_due, self._stats_due, config.update_ratio_max_bytes)
+        """The step's statistics on the device and what they keep between steps (hooks/measure.py)."""
 
     # ----------------------------------------------------------------------------------------------- public API
 
@@ -420,12 +306,11 @@ class Capture:
         if hasattr(os, "register_at_fork"):
             me = weakref.ref(self)
             os.register_at_fork(after_in_child=lambda: _forked_child(me))
-        self._global_steps = optimizer is None
+        self._follow.start(optimizer)
         if optimizer is None:
             self._handles.append(register_optimizer_step_pre_hook(self._step_pre_hook))
             self._handles.append(register_optimizer_step_post_hook(self._on_post_step))
         else:
-            self._optimizer = optimizer
             self._handles.append(optimizer.register_step_pre_hook(self._step_pre_hook))
             self._handles.append(optimizer.register_step_post_hook(self._on_post_step))
         if model is None:
@@ -474,8 +359,8 @@ class Capture:
         loss_divided: bool = True,
     ) -> None:
         """Let framework adapter ``name`` feed this capture; see the module docstring. Never raises."""
-        self._own_loss = own_loss
-        self._loss_divided = loss_divided
+        self._measure.own_loss = own_loss
+        self._measure.loss_divided = loss_divided
         self._use_framework(name, model, optimizer, drive_steps, grad_norm, param_stats)
 
     def release_framework(self, name: str) -> None:
@@ -483,10 +368,10 @@ class Capture:
         if self._framework == name:
             self._framework = None
             self._drive_steps = False
-            self._own_grad_norm = True
-            self._param_stats = True
-            self._own_loss = True
-            self._loss_divided = True
+            self._measure.own_grad_norm = True
+            self._measure.param_stats = True
+            self._measure.own_loss = True
+            self._measure.loss_divided = True
 
     def begin_step(self, grads: Sequence[torch.Tensor | None] | None = None, *, layers: bool = True) -> None:
         """The current step's gradients are final: measure them (``grads`` aligned with :attr:`measured_params`,
@@ -523,12 +408,11 @@ class Capture:
         if self._attached:
             torch_patches.unsubscribe(self)
         self._perf.close()
-        self._end_discovery()
+        self._discovery.stop()
         for handle in (*self._handles, *self._step_hooks):
             handle.remove()
         self._handles, self._step_hooks = [], []
         self._step_hook_targets = None
-        self._candidates.clear()
         if self._reader is not None and not self._reader.close(timeout):
             logger.warning("stability: capture closed with records still pending after %.1f s", timeout)
 
@@ -561,7 +445,7 @@ class Capture:
     @_hook
     def before_backward(self, tensor: torch.Tensor) -> None:
         """A ``backward()`` starts: with no optimizer, the step in progress may have ended (rhythm rules)."""
-        if self._finishing:  # a co-stepping optimizer did not step this time
+        if self._follow.finishing:  # a co-stepping optimizer did not step this time
             self._end_costep()
         self._backward_calls += 1
         self._perf.timing.backward()
@@ -571,7 +455,7 @@ class Capture:
                     "stability: nothing recorded after %d backward() calls: %s",
                     BLIND_AFTER,
                     f"adapter {self._framework} never ended a step" if self._framework is not None
-                    else f"{type(self._optimizer).__name__}.step() never completed",
+                    else f"{type(self._follow.optimizer).__name__}.step() never completed",
                 )
             return
         rhythm = self._rhythm
@@ -593,21 +477,14 @@ class Capture:
                    clipped: tuple[torch.Tensor, float] | None = None) -> None:
         """``clip_grad_norm_`` returned: the measured norms, scaled like the gradients, are those of the clipped
         gradients (for Adam's statistic on sampled steps); with no optimizer, the update comes next."""
-        state = self._state
-        if state.clip_measured:
-            state.clip_measured = False
-            kept = state.grad_norms
-            state.grad_norms = None
-            if kept is not None and clipped is not None and self._stats_due(self._step):
-                total, max_norm = clipped
-                coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s own formula
-                state.grad_norms = _Unchanged.now(kept.values * coef.to(kept.values.device), kept.tensors)
+        if self._state.clip_measured:
+            self._measure.clipped(self._state, self._step, clipped)
         if self._manual():
             self._rhythm.after_clip()
 
     @_hook
     def _close_pending(self) -> None:
-        if self._finishing:
+        if self._follow.finishing:
             self._end_costep()
         if self._manual() and self._rhythm.confirmed and self._rhythm.backwards > 0:
             self._close_manual("close", grads_intact=True)
@@ -626,26 +503,10 @@ class Capture:
         self._ensure_layout(params)
         layout = self._layout
         if layout is not None and not self._state.grads_measured:
-            shared = None if norms is None else self._clip_norms(layout, params, norms)
+            shared = None if norms is None else self._measure.clip_norms(layout, params, norms)
             self._measure_grads(norms=shared)
             # the clip scales exactly these gradients by one factor only when it covered the measured ones
             self._state.clip_measured = shared is not None
-
-    def _clip_norms(self, layout: ParamLayout, params: list[torch.Tensor], norms: torch.Tensor) -> torch.Tensor | None:
-        """``norms`` (aligned with ``params``) reordered to the layout's parameters; None when some are missing."""
-        if norms.device != self._device() or norms.numel() != len(params):
-            return None
-        mine = layout.params
-        if len(mine) == len(params) and all(a is b for a, b in zip(mine, params, strict=True)):
-            return norms
-        key = tuple(id(p) for p in params)
-        cached = self._clip_order
-        if cached is None or cached[0] is not layout or cached[1] != key:
-            position = {id(p): i for i, p in enumerate(params)}
-            order = [position.get(id(p), -1) for p in mine]
-            index = None if -1 in order else stats.to_device(torch.tensor(order, dtype=torch.int64), norms.device)
-            cached = self._clip_order = (layout, key, index)
-        return None if cached[2] is None else norms.index_select(0, cached[2])
 
     @_hook
     def before_scaler_step(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -677,30 +538,28 @@ class Capture:
         closure, self._closure = self._closure, None
         if closure is None:
             return None
-        if kwargs.get("closure") is not None:
-            return args, {**kwargs, "closure": closure}
-        at = _closure_index(optimizer, args)
-        return (*args[:at], closure, *args[at + 1 :]), kwargs
+        return with_closure(optimizer, args, kwargs, closure)
 
     @_hook
     def _on_pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._drive_steps:
             return
-        if self._stepping and optimizer is not self._optimizer:
-            return  # an optimizer stepped from inside the tracked one's step (a wrapper's inner optimizer)
-        if optimizer is self._optimizer and self._finishing:
+        follow = self._follow
+        if optimizer is follow.optimizer and follow.finishing:
             self._end_costep()  # a co-stepping optimizer skipped this step
-        elif self._costeps(optimizer):
-            return
-        if self._adopt(optimizer):
-            self._stepping = True
-            at = _closure_index(optimizer, args)
-            closure = kwargs.get("closure") or (args[at] if len(args) > at else None)
+        role = follow.pre_step(optimizer, self._backward_calls, self._rhythm.confirmed)
+        if role is Role.JOINED:  # its parameters are measured from the next step on
+            self._layout, self._layout_has_optimizer = None, False
+        elif role is Role.PHASE:
+            self._new_phase(optimizer)
+        if role is Role.OURS or role is Role.PHASE:
+            follow.stepping = True
+            closure = closure_of(optimizer, args, kwargs)
             if callable(closure):
                 self._closure = self._closure_step(optimizer, closure)
             else:
                 self._begin_step(optimizer)
-        elif self._state.losses:  # backpropagated since the tracked step: this other optimizer's loss (a GAN's G)
+        elif role is Role.OTHER and self._state.losses:  # backpropagated since the tracked step: its loss (a GAN's G)
             self._state.losses.clear()
             self._state.objectives += 1
 
@@ -721,54 +580,36 @@ class Capture:
         return closure_seen_by_stability
 
     @_hook
-    def _after_first_closure(self, optimizer: torch.optim.Optimizer, state: _StepState) -> None:
+    def _after_first_closure(self, optimizer: torch.optim.Optimizer, state: StepState) -> None:
         state.closure_done = True
         self._begin_step(optimizer)
 
     @_hook
     def _on_post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._drive_steps and optimizer is self._optimizer:
-            self._stepping = False
+        follow = self._follow
+        if not self._drive_steps and optimizer is follow.optimizer:
+            follow.stepping = False
             state = self._state
             if state.closure and not state.closure_done:
                 state.closure_done = True
                 self._begin_step(optimizer)
-            if self._co:
-                self._finishing, self._backward_at_end = True, self._backward_calls
-                return
-            self._finish_step(optimizer, skipped=None)
-        elif self._finishing and self._co and optimizer is self._co[-1]:
+            if not follow.wait_for_costeps(self._backward_calls):
+                self._finish_step(optimizer, skipped=None)
+        elif follow.last_costep(optimizer):
             self._end_costep()
-
-    def _costeps(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` (not the tracked one) steps on the tracked step's backward: no ``backward()`` since
-        the tracked optimizer stepped (auto mode). The first time, its parameters join the measured ones from the
-        next step on."""
-        if (not self._global_steps or self._optimizer is None or optimizer is self._optimizer
-                or self._backward_calls != self._backward_at_end):
-            return False
-        if optimizer not in self._co:
-            logger.info("stability: optimizer %s steps right after the tracked one on the same gradients; its "
-                        "parameters are measured in the same records", type(optimizer).__name__)
-            self._co.append(optimizer)
-            self._layout, self._layout_has_optimizer = None, False
-        return True
 
     def _end_costep(self) -> None:
         """The tracked step's record ends (every co-stepping optimizer stepped, or the next step began)."""
-        self._finishing = False
-        self._finish_step(self._optimizer, skipped=None)
+        self._follow.finishing = False
+        self._finish_step(self._follow.optimizer, skipped=None)
 
     @_hook
     def _on_any_forward_pre(self, module: torch.nn.Module, args: Any) -> None:
-        depth = getattr(self._forward, "depth", 0)
-        self._forward.depth = depth + 1
-        if depth == 0 and len(self._candidates) < _MAX_CANDIDATES:
-            self._candidates.setdefault(id(module), weakref.ref(module))
+        self._discovery.enter(module)
 
     @_hook
     def _on_any_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self._forward.depth = max(0, getattr(self._forward, "depth", 0) - 1)
+        self._discovery.leave()
 
     @_hook
     def _on_model_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -832,10 +673,11 @@ class Capture:
             logger.info("stability: adapter %s replaces adapter %s", name, self._framework)
         self._framework = name
         self._drive_steps = drive_steps
-        self._own_grad_norm = grad_norm
-        self._param_stats = param_stats
+        self._measure.own_grad_norm = grad_norm
+        self._measure.param_stats = param_stats
         if optimizer is not None or model is not None:
-            self._optimizer = optimizer  # an optimizer adopted before (e.g. stepped during framework setup) is dropped
+            # an optimizer adopted before (e.g. stepped during framework setup) is dropped
+            self._follow.optimizer = optimizer
         if model is not None:
             self._roots = [model]
             self._layout = None
@@ -853,13 +695,8 @@ class Capture:
             if grads is not None and len(grads) != len(layout.params):
                 raise RecordError(f"begin_step(): {len(grads)} gradients for {len(layout.params)} parameters")
             self._measure_grads(None if grads is None else list(grads), layers=layers)
-        if (
-            self._param_stats
-            and state.snapshot is None
-            and self._stats_due(self._step)
-            and layout.total_bytes <= self.config.update_ratio_max_bytes
-        ):
-            state.snapshot = self._snapshot(layout)
+        if self._measure.param_stats:
+            self._measure.snapshot_if_due(layout, state, self._step)
 
     @_hook
     def _end_external(self, skipped: bool | float | torch.Tensor | None) -> None:
@@ -869,7 +706,7 @@ class Capture:
             self._state.observed.append(("skipped", skipped.detach().reshape(-1)[:1].to(torch.float32)))
         elif skipped is not None:
             self._state.observed_host["skipped"] = float(skipped)
-        self._finish_step(self._optimizer, skipped=None)
+        self._finish_step(self._follow.optimizer, skipped=None)
 
     @_hook
     def _observe_loss(self, loss: torch.Tensor) -> None:
@@ -891,12 +728,12 @@ class Capture:
 
     def _manual(self) -> bool:
         """True while step boundaries come from the backward rhythm: no optimizer stepped, no adapter drives."""
-        return self._optimizer is None and self._framework is None
+        return self._follow.optimizer is None and self._framework is None
 
     def _after_manual_backward(self) -> None:
         rhythm = self._rhythm
         if not rhythm.params and not rhythm.confirmed and rhythm.backwards == 0 and self._step == 0:
-            modules = list(self._roots) or [m for ref in self._candidates.values() if (m := ref()) is not None]
+            modules = list(self._roots) or self._discovery.modules()
             rhythm.watch(model_params(modules))
         rhythm.after_backward()
         state = self._state
@@ -905,13 +742,7 @@ class Capture:
             return
         if rhythm.eager:
             self._measure_grads()
-        layout = self._layout
-        if (
-            state.snapshot is None
-            and self._stats_due(self._step)
-            and layout.total_bytes <= self.config.update_ratio_max_bytes
-        ):
-            state.snapshot = self._snapshot(layout)
+        self._measure.snapshot_if_due(self._layout, state, self._step)
 
     def _close_manual(self, reason: str, *, grads_intact: bool) -> None:
         """End the step in progress of a loop without an optimizer (see :mod:`stability.hooks.rhythm`)."""
@@ -931,7 +762,7 @@ class Capture:
         next_batch = None
         if reason not in ("zero_grad", "close"):  # ends at the next backward(): the next forward already ran
             rhythm.late = True
-            carried = _forward_tail(state)
+            carried = forward_tail(state)
             next_batch, state.next_batch = state.next_batch, None
         self._finish_step(None, skipped=None)
         self._state.acts, self._state.logit_z = carried
@@ -943,7 +774,7 @@ class Capture:
         rhythm.per_backward = True
         rhythm.eager = bool(rhythm.params)
         rhythm.step_closed()
-        self._state = _StepState(batch=self._state.batch)
+        self._state = StepState(batch=self._state.batch)
         if not self._warned_blind:
             self._warned_blind = True
             logger.warning(
@@ -972,10 +803,11 @@ class Capture:
         model = ", ".join(type(r).__name__ for r in self._roots) or "(not found)"
         numel = sum(p.numel() for p in layout.params)
         size = f"{numel / 1e6:.1f}M" if numel >= 100_000 else f"{numel / 1e3:.1f}k"
-        seen = ["loss", "grad_norm" if self._own_grad_norm else "", "nonfinite_grads" if self._own_grad_norm else ""]
+        own = self._measure.own_grad_norm
+        seen = ["loss", "grad_norm" if own else "", "nonfinite_grads" if own else ""]
         if self.config.layer_every:
             seen.append("per-layer grads")
-        if self.config.stats_every and self._param_stats:
+        if self.config.stats_every and self._measure.param_stats:
             seen.append(f"param norms / update ratios every {self.config.stats_every} steps")
         if optimizer is not None:
             seen.insert(1, "lr")
@@ -993,64 +825,26 @@ class Capture:
         )
 
     def _adopt(self, optimizer: torch.optim.Optimizer) -> bool:
-        """True if ``optimizer`` is the tracked one; the first optimizer to step becomes the tracked one, and in
-        auto mode a new optimizer over exactly the tracked one's parameters replaces it (a loop that creates its
-        optimizer again each epoch or stage: before, every step after the first optimizer was silently lost)."""
-        if self._optimizer is None:
-            self._optimizer = optimizer
-            if self._rhythm.confirmed:
-                logger.info("stability: optimizer %s now steps; it sets the step boundaries", type(optimizer).__name__)
-        if optimizer is self._optimizer:
-            return True
-        if self._global_steps and not self._stepping:
-            if self._replaces(optimizer):
-                logger.info("stability: a new %s over the same parameters steps; it replaces the tracked optimizer",
-                            type(optimizer).__name__)
-                self._optimizer = optimizer
-                self._ignored.discard(id(optimizer))
-                return True
-            run = self._foreign_run
-            self._foreign_run = run = (id(optimizer), run[1] + 1 if run[0] == id(optimizer) else 1)
-            if run[1] >= HANDOVER_STEPS:
-                self._new_phase(optimizer)
-                return True
-        if id(optimizer) not in self._ignored:
-            self._ignored.add(id(optimizer))
-            logger.info(
-                "stability: ignoring optimizer %s; only the first one to step is tracked (the losses "
-                "backpropagated just before it steps are not the tracked step's loss)", type(optimizer).__name__
-            )
-        return False
+        """True if ``optimizer``'s step is the tracked step (see :meth:`Following.adopt`); a new phase starts when it
+        just took over."""
+        role = self._follow.adopt(optimizer, self._rhythm.confirmed)
+        if role is Role.PHASE:
+            self._new_phase(optimizer)
+        return role is not Role.OTHER
 
     def _new_phase(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer`` (other parameters) stepped :data:`HANDOVER_STEPS` times in a row while the tracked one did
-        not: a new training phase (forward-forward trains one layer after the other, each with its own optimizer;
-        a fine-tuning stage with a new optimizer over part of the model). It becomes the tracked optimizer, the
-        layout is rebuilt over its parameters, and the phase's first record carries ``phase_start`` (the
-        detectors re-baseline: another objective's loss is not a spike)."""
-        logger.info("stability: optimizer %s stepped %d times in a row while the tracked one did not: a new "
-                    "training phase; it now sets the step boundaries", type(optimizer).__name__, HANDOVER_STEPS)
-        self._optimizer = optimizer
-        self._ignored.discard(id(optimizer))
-        self._foreign_run = (0, 0)
-        self._layout, self._layout_has_optimizer, self._snapshot_buffers = None, False, None
+        """``optimizer`` took over (:data:`~stability.hooks.following.HANDOVER_STEPS` steps in a row while the
+        tracked one did not): a new training phase. The layout is rebuilt over its parameters, and the phase's
+        first record carries ``phase_start`` (the detectors re-baseline: another objective's loss is not a spike).
+        When its parameters are not the model's, the model is found again from the next step's forward passes."""
+        self._layout, self._layout_has_optimizer, self._measure.snapshot_buffers = None, False, None
         self._state.objectives = 1
         self._state.host["phase_start"] = 1.0
         owned = {id(p) for root in self._roots for p in root.parameters()}
-        if any(id(p) not in owned for p in optimizer_params(optimizer)) and not self._discovery:
+        if any(id(p) not in owned for p in optimizer_params(optimizer)) and not self._discovery.active:
             self._roots = []  # its model is elsewhere: found again from the next step's forward passes
             self._rediscover = True
             self._discover()
-
-    def _replaces(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` holds exactly the tracked optimizer's parameters (cached per optimizer)."""
-        known = self._same_params.get(id(optimizer))
-        if known is None or known[0]() is not optimizer:
-            tracked = self._optimizer
-            same = tracked is not None and {id(p) for p in optimizer_params(optimizer)} == {
-                id(p) for p in optimizer_params(tracked)}
-            known = self._same_params[id(optimizer)] = (weakref.ref(optimizer), same)
-        return known[1]
 
     def _begin_step(self, optimizer: torch.optim.Optimizer) -> None:
         """At the optimizer pre-step: gradient statistics (unless taken at clipping), lr, parameter snapshot."""
@@ -1065,45 +859,17 @@ class Capture:
                 state.parts.append((["lr"], lr.detach().reshape(-1)[:1]))
             elif isinstance(lr, (int, float)):
                 state.host["lr"] = float(lr)
-        layout = self._layout
-        if (
-            layout is not None
-            and state.snapshot is None
-            and self._stats_due(self._step)
-            and layout.total_bytes <= self.config.update_ratio_max_bytes
-        ):
-            state.snapshot = self._snapshot(layout)
-
-    def _snapshot(self, layout: ParamLayout) -> _Snapshot:
-        """The parameters' values now, copied into buffers kept for the capture's life (allocating fresh memory on
-        every sampled step cost several times the copy itself), and their norms (``‖w before‖`` of the update
-        ratio): those the previous step measured after its update when it was sampled and the parameters did not
-        change since (every step with ``stats_every=1``), else read right after the copy. Only the step just before
-        counts, as a loop without an optimizer updates through ``p.data`` (which torch does not count as a change)
-        between two sampled steps. Not seen: a change through ``p.data`` between the optimizer step and the next
-        one (e.g. weight clipping written as ``p.data.clamp_()``); ``‖w before‖`` is then that of before it."""
-        params = layout.params
-        kept = self._snapshot_buffers
-        if kept is None or kept[0] is not layout or any(
-            b.shape != p.shape or b.dtype != p.dtype or b.device != p.device
-            for b, p in zip(kept[1], params, strict=True)
-        ):
-            kept = self._snapshot_buffers = (layout, [torch.empty_like(p, requires_grad=False) for p in params])
-        with torch.no_grad():
-            torch._foreach_copy_(kept[1], params)
-        last = self._param_sq_norms
-        if last is not None and last[0] == self._step - 1 and last[1].holds_for(params):  # ‖w after‖ of that step
-            return _Snapshot(kept[1], last[1].values)
-        return _Snapshot(kept[1], stats.tensor_norms(kept[1], self._device()).square())
+        if self._layout is not None:
+            self._measure.snapshot_if_due(self._layout, state, self._step)
 
     def _ensure_layout(self, params: list[torch.Tensor] | None) -> None:
         """Find the model (auto mode) and group the measured parameters by module, once."""
-        optimizer = self._optimizer
+        optimizer = self._follow.optimizer
         if self._layout is not None and (self._layout_has_optimizer or optimizer is None):
             return
-        wanted = optimizer_params(optimizer, *self._co) if optimizer is not None else params
+        wanted = optimizer_params(optimizer, *self._follow.co) if optimizer is not None else params
         if not self._roots:
-            self._roots = self._discover_roots({id(p) for p in wanted or []})
+            self._roots = self._discovery.roots({id(p) for p in wanted or []})
         previous = self._layout
         self._layout = build_layout(self._roots, wanted)
         self._layout_has_optimizer = optimizer is not None
@@ -1115,205 +881,49 @@ class Capture:
             self._state.snapshot = None  # taken for another parameter list
         if self._rediscover:  # a new phase's first step: its model's forward passes are still to be seen
             return
-        self._end_discovery()
+        self._discovery.stop()
         if optimizer is not None:
             self._announce(optimizer)
 
     def _discover(self) -> None:
-        """Global forward hooks that note the outermost modules running forward, until the model is known. torch
-        warns that ``torch.compile(model)`` makes global hooks fire once more (for its wrapper): harmless for these,
-        so that warning is silenced while they are on."""
-        self._discovery.append(register_module_forward_pre_hook(self._on_any_forward_pre))
-        self._discovery.append(register_module_forward_hook(self._on_any_forward, always_call=True))
-        warnings.filterwarnings("ignore", message=_COMPILE_HOOKS_WARNING, category=UserWarning)
-        self._warning_filter = warnings.filters[0]
-
-    def _end_discovery(self) -> None:
-        for handle in self._discovery:
-            handle.remove()
-        self._discovery = []
-        self._candidates.clear()
-        if self._warning_filter is not None:
-            with contextlib.suppress(ValueError):
-                warnings.filters.remove(self._warning_filter)  # type: ignore[attr-defined]
-            self._warning_filter = None
-
-    def _discover_roots(self, param_ids: set[int]) -> list[torch.nn.Module]:
-        modules = [m for ref in self._candidates.values() if (m := ref()) is not None]
-        roots = [m for m in modules if any(id(p) in param_ids for p in m.parameters())]
-        return [r for r in roots if not any(o is not r and any(x is r for x in o.modules()) for o in roots)]
+        """Auto mode: note the outermost modules running forward until the model is known (hooks/discovery.py)."""
+        self._discovery.start(self._on_any_forward_pre, self._on_any_forward)
 
     def _device(self) -> torch.device:
-        layout = self._layout
-        if layout is not None and layout.params:
-            return layout.params[0].device
-        return torch.device("cpu")
+        return device_of(self._layout)
 
     def _measure_grads(self, given: list[torch.Tensor | None] | None = None, *, layers: bool = True,
                        norms: torch.Tensor | None = None) -> None:
-        """Global and per-module gradient norms and the non-finite count, on the device.
-
-        One fused pass gives the per-tensor norms (``norms``: already computed by the ``clip_grad_norm_`` patch,
-        aligned with the layout's parameters); the global norm, the per-module norms and whether any element is
-        non-finite all come from them (see :func:`stats.nonfinite_given_norm`).
-        With ``use_framework(grad_norm=False)`` only the per-module norms are measured, on ``layer_every`` steps.
-        """
+        """The step's gradient statistics (:meth:`Measure.grads`)."""
         layout = self._layout
         assert layout is not None
-        state = self._state
-        state.grads_measured = True
-        state.grad_parts = []
-        layer_due = layers and self._layer_due(self._step) and bool(layout.modules)
-        if not self._own_grad_norm and not layer_due:
-            return
-        device = self._device()
-        grads = [p.grad for p in layout.params] if given is None else given
-        if norms is None:
-            norms = stats.tensor_norms(grads, device)
-        if given is None and self._stats_due(self._step):
-            state.grad_norms = _Unchanged.now(norms, grads)
-        if self._own_grad_norm:
-            total = torch.linalg.vector_norm(norms).reshape(1)
-            state.grad_parts.append((["grad_norm"], total))
-            state.grad_parts.append((["nonfinite_grads"], stats.nonfinite_given_norm(grads, total, device)))
-        if layer_due:
-            per_module = stats.segment_sum(norms.square(), layout.index(device), len(layout.modules)).sqrt()
-            state.grad_parts.append((layout.names("grad_norm"), per_module))
+        self._measure.grads(layout, self._state, self._step, given, layers=layers, norms=norms)
 
     def _finish_step(self, optimizer: torch.optim.Optimizer | None, skipped: float | None) -> None:
         """Complete the step: sampled statistics, loss, scaler signals; stage the record; prepare the next step."""
         state, step = self._state, self._step
-        self._foreign_run = (0, 0)
-        self._backward_at_end = self._backward_calls
+        self._follow.step_ended(self._backward_calls)
         if self._rediscover:  # the new phase's first step used the parameters without their modules
             self._rediscover = self._layout_has_optimizer = False
         try:
             if self._stats_due(step) and self._layout is not None:
-                self._sampled_stats(optimizer, state)
-            self._loss_and_scaler(optimizer, state, skipped)
+                self._measure.sampled(self._layout, state, step, optimizer, self._follow.co)
+            self._measure.loss_and_scaler(self._layout, state, optimizer, skipped, self._scaler_call)
             state.host.update(self._perf.end_step(step, self._device(), state.observed_host))
             self._submit(state, step)
         finally:
             self._step = step + 1
-            self._state = _StepState()
+            self._state = StepState()
             self._arm_step_hooks()
             for root in self._roots:  # data / compute timing: a forward pre-hook on the model, once
                 if id(root) not in self._perf.hooked:
                     self._perf.hooked.append(id(root))
                     self._handles.append(root.register_forward_pre_hook(self._on_model_forward))
 
-    def _sampled_stats(self, optimizer: torch.optim.Optimizer | None, state: _StepState) -> None:
-        layout = self._layout
-        assert layout is not None
-        if not self._param_stats:
-            self._activation_stats(state)
-            return
-        device, n = self._device(), len(layout.modules)
-        index = layout.index(device)
-        params, snapshot = layout.params, state.snapshot
-        with torch.no_grad():
-            if snapshot is None:
-                per_tensor = stats.tensor_norms(params, device).square()
-                param_sq = stats.segment_sum(per_tensor, index, n)
-            else:  # one pass makes -delta in the kept buffers, one fused norm pass reads the parameters and them
-                torch._foreach_sub_(snapshot.buffers, params)
-                both = stats.tensor_norms([*params, *snapshot.buffers], device).square()
-                sums = stats.segment_sum(both, layout.index(device, repeat=2), 2 * n)
-                before_sq = stats.segment_sum(snapshot.sq_norms, index, n)
-                per_tensor, param_sq = both[: len(params)], sums[:n]
-                # a module whose weights were all zero before the step (a zero-initialised positional embedding,
-                # gate or bias-only module) is measured against its weights after it (1.0 when it just left zero)
-                denom = torch.where(before_sq > 0, before_sq, sums[:n]).clamp_min(torch.finfo(before_sq.dtype).tiny)
-                state.parts.append((layout.names("update_ratio"), (sums[n:] / denom).sqrt()))
-                state.snapshot = None
-        self._param_sq_norms = (self._step, _Unchanged.now(per_tensor, params))
-        state.parts.append((layout.names("param_norm"), param_sq.sqrt()))
-        adam = self._adam_state([optimizer, *self._co] if optimizer is not None else [], layout.params)
-        if adam is not None:
-            vs, beta2, steps = adam
-            known = state.grad_norms
-            if known is not None and known.holds_for([p.grad for p in layout.params]):  # no 2nd pass over them
-                g_sq, v_prev = stats.adam_lag(None, vs, beta2, steps, index, n, device, grad_norms=known.values)
-            else:
-                gs = [p.grad if v is not None else None for p, v in zip(layout.params, vs, strict=True)]
-                g_sq, v_prev = stats.adam_lag(gs, vs, beta2, steps, index, n, device)
-            ratio = torch.where(v_prev > 0, g_sq / v_prev, torch.full_like(v_prev, ABSENT))
-            state.parts.append((layout.names("adam_v_ratio"), ratio))
-        self._activation_stats(state)
-
-    @staticmethod
-    def _adam_state(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]) -> tuple[
-            list[torch.Tensor | None], list[float], list[torch.Tensor | float | None]] | None:
-        """Adam's ``exp_avg_sq``, ``beta2`` and ``step`` per parameter (None where a parameter has no such state),
-        or None when no parameter has one (not an Adam-family optimizer). ``optimizers``: the tracked one and the
-        co-stepping ones (each parameter's state is in the one that holds it)."""
-        if not optimizers:
-            return None
-        groups = [g for o in optimizers for g in o.param_groups]
-        betas = [float(g.get("betas", (0.9, 0.999))[1]) for g in groups]
-        found = [next((o.state[p] for o in optimizers if p in o.state), None) for p in params]
-        vs: list[torch.Tensor | None] = []
-        steps: list[torch.Tensor | float | None] = []
-        for st in found:
-            v = None if st is None else st.get("exp_avg_sq")
-            vs.append(v if isinstance(v, torch.Tensor) else None)
-            steps.append(None if st is None else st.get("step"))
-        if all(v is None for v in vs):
-            return None
-        if len(set(betas)) == 1:  # the usual case (a parameter outside the groups has no state: its beta2 is unused)
-            return vs, [betas[0]] * len(params), steps
-        beta2_of = {id(p): b for g, b in zip(groups, betas, strict=True) for p in g["params"]}
-        return vs, [beta2_of.get(id(p), 0.999) for p in params], steps
-
-    def _activation_stats(self, state: _StepState) -> None:
-        if state.acts:
-            names = list(state.acts)
-            absmax, rms = stats.activation_summary([state.acts[name] for name in names])
-            state.parts.append(([f"act_absmax/{m}" for m in names], absmax))
-            state.parts.append(([f"act_rms/{m}" for m in names], rms))
-        if state.logit_z:
-            state.parts.append((["logit_z"], torch.stack(state.logit_z).mean().reshape(1)))
-
-    def _loss_and_scaler(
-        self, optimizer: torch.optim.Optimizer | None, state: _StepState, skipped: float | None
-    ) -> None:
-        framework = bool(state.framework_losses)
-        own = state.framework_losses or (state.losses if self._own_loss else [])
-        if own:
-            device = own[0].device
-            losses = torch.stack([x.to(device, non_blocking=True) for x in own])
-            # a framework's micro-batch losses are not divided by the accumulation steps: their mean is the loss;
-            # the tensors a plain loop calls backward() on are (nanoGPT, HF: loss / accumulation steps): their sum
-            total = losses.mean() if framework or len(own) == 1 or not self._loss_divided else losses.sum()
-            state.parts.append((["loss"], total.reshape(1)))
-            state.host["micro_batches"] = float(len(own))
-        if state.objectives > 1:
-            state.host["objectives"] = float(state.objectives)
-        call = self._scaler_call
-        scaler = call[0] if call is not None else state.scaler
-        if scaler is None or not getattr(scaler, "_enabled", False):
-            return
-        scale = getattr(scaler, "_scale", None)
-        if isinstance(scale, torch.Tensor):
-            state.parts.append((["loss_scale"], scale.detach().reshape(-1)[:1].clone()))
-        if skipped is not None:
-            state.host["skipped"] = skipped
-        elif optimizer is not None and call is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
-            state.parts.append((["skipped"], self._found_inf(scaler, optimizer)))
-        else:
-            state.host["skipped"] = 0.0
-
-    def _found_inf(self, scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """1.0 if the scaler found inf/NaN gradients for ``optimizer`` (fused optimizers skip internally)."""
-        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        device = self._device()
-        flags = [t.to(device, dtype=torch.float32, non_blocking=True).reshape(1) for t in found.values()]
-        return (torch.cat(flags).sum() > 0).to(torch.float32).reshape(1)
-
-    def _submit(self, state: _StepState, step: int) -> None:
+    def _submit(self, state: StepState, step: int) -> None:
         assert self._reader is not None
         state.parts[:0] = state.grad_parts
-        _observed_win(state)
+        observed_win(state)
         rank, coords, host = self._metadata()
         staged = StagedStep(
             run_id=self.config.run_id,
@@ -1377,40 +987,6 @@ class Capture:
                 self._perf.close()
             except Exception:
                 logger.debug("stability: stopping the watchdog failed", exc_info=True)
-
-
-def _forward_tail(state: _StepState) -> tuple[dict[str, list[stats.ActStat]], list[torch.Tensor]]:
-    """Remove and return the activation / logit entries recorded after the step's last ``backward()``."""
-    acts_at, logits_at = state.forward_marks if state.forward_marks is not None else ({}, 0)
-    tail: dict[str, list[stats.ActStat]] = {}
-    for name, values in list(state.acts.items()):
-        keep = acts_at.get(name, 0)
-        if len(values) > keep:
-            tail[name] = values[keep:]
-            del values[keep:]
-            if not values:
-                del state.acts[name]
-    logits = state.logit_z[logits_at:]
-    del state.logit_z[logits_at:]
-    return tail, logits
-
-
-def _observed_win(state: _StepState) -> None:
-    """Make observed values override Capture's own values of the same name (device ones are staged last)."""
-    if not state.observed and not state.observed_host:
-        return
-    for name in state.observed_host:
-        state.host.pop(name, None)
-    own = {n for names, _ in state.parts for n in names}
-    for name, value in list(state.observed_host.items()):
-        if name in own:  # a device value of Capture's own would win in the record: stage this one after it
-            del state.observed_host[name]
-            device = state.parts[0][1].device
-            state.observed.append((name, torch.tensor([value], dtype=torch.float64).to(device, non_blocking=True)))
-    for name, _ in state.observed:
-        state.host.pop(name, None)
-    state.host.update(state.observed_host)
-    state.parts.extend(([name], tensor) for name, tensor in state.observed)
 
 
 def _rank_and_coords(rank: int | None, extra: Mapping[str, int]) -> tuple[int, dict[str, int]]:

@@ -704,7 +704,7 @@ def test_snapshot_buffers_are_reused_across_sampled_steps():
             F.cross_entropy(model(data[:, :-1]).reshape(-1, VOCAB), data[:, 1:].reshape(-1)).backward()
             opt.step()
             opt.zero_grad()
-            kept = capture._snapshot_buffers
+            kept = capture._measure.snapshot_buffers
             assert kept is not None
             seen.append([t.data_ptr() for t in kept[1]])
         capture.flush()
