@@ -364,6 +364,10 @@ def backlog(client: redis.Redis[bytes], url: str, tmp: Path, args: argparse.Name
     return result
 
 
+_Prepared = tuple[bytes, bytes, str, tuple[str, int, int] | None]
+"""One encoded record ready to write: stream key, record bytes, entry id, its NaN probe (run, rank, step) or None."""
+
+
 class _StepWriter:
     """Writes one step of every rank of every run, as the emitters of a live job would (pipelined XADDs), with a
     NaN loss on one rank per run (a rank at most once per :data:`REARM` steps); remembers when each NaN record
@@ -379,7 +383,7 @@ class _StepWriter:
         self.size = 0
         """Bytes of the last record written."""
         self._last_nan: dict[tuple[str, int], int] = {}
-        self._prepared: dict[int, list[tuple[bytes, bytes, str, tuple[str, int, int] | None]]] = {}
+        self._prepared: dict[int, list[_Prepared]] = {}
         self.bursts: list[float] = []
         """Seconds each step's pipelined XADDs took (encoding excluded)."""
 
@@ -393,7 +397,7 @@ class _StepWriter:
     def prepare(self, step: int, wall: float) -> None:
         """Encode ``step`` of every rank ahead of its write, as ``wall`` (each rank's emitter encodes its own records in
         parallel in a real job: the single writer here must not stretch the burst by encoding 16k records in it)."""
-        batch: list[tuple[bytes, bytes, str, tuple[str, int, int] | None]] = []
+        batch: list[_Prepared] = []
         for index, run in enumerate(self.runs):
             nan_rank = self._nan_rank(step, index, run)
             for rank, factory in enumerate(self.factories[run]):

@@ -59,13 +59,16 @@ except Exception as exc:  # never break the training script
     handle = None
 else:
 
-    def _close_at_exit(handle: Handle = handle) -> None:
+    def _close(died: str | None, handle: Handle = handle) -> None:
+        """The fast exit's close (see the module docstring); ``died``: why the process ends abnormally."""
+        handle.close(died=died, wait_drained=_env_flag("STABILITY_EXIT_WAIT_DRAIN"),
+                     flush_s=_env_seconds("STABILITY_EXIT_FLUSH_S"))
+
+    def _close_at_exit() -> None:
         """Close the handle; after an uncaught exception (Python sets ``sys.last_value`` before the atexit handlers
         run) the run is recorded as died, with the exception, instead of finished."""
         error = getattr(sys, "last_value", None)
-        handle.close(died=f"{type(error).__name__}: {error}"[:300] if error is not None else None,
-                     wait_drained=_env_flag("STABILITY_EXIT_WAIT_DRAIN"),
-                     flush_s=_env_seconds("STABILITY_EXIT_FLUSH_S"))
+        _close(f"{type(error).__name__}: {error}"[:300] if error is not None else None)
 
     atexit.register(_close_at_exit)
 
@@ -75,7 +78,7 @@ else:
     """Upper bound of the close done for ``os._exit`` (on a helper thread: a lock held elsewhere can delay the exit,
     never prevent it)."""
 
-    def _exit_closing(status: int, handle: Handle = handle) -> NoReturn:
+    def _exit_closing(status: int) -> NoReturn:
         """``os._exit`` skips atexit: a script that ends with it (to skip a slow NCCL or DataLoader teardown) lost
         its last records and was recorded as died ("vanished without a clean close"). Close first (bounded), as
         finished for status 0, else died; then exit. Forked children (DataLoader workers) exit untouched."""
@@ -84,8 +87,7 @@ else:
 
             def close() -> None:
                 try:
-                    handle.close(died=died, wait_drained=_env_flag("STABILITY_EXIT_WAIT_DRAIN"),
-                                 flush_s=_env_seconds("STABILITY_EXIT_FLUSH_S"))
+                    _close(died)
                 except Exception as exc:  # never keep the process alive because the close failed
                     log.warning("stability: close at os._exit failed (%s: %s)", type(exc).__name__, exc)
 
