@@ -22,6 +22,7 @@ from stability.embedded import RedisServer, free_port
 from stability.errors import ConfigError, RecordError, SourceError
 from stability.records import StepRecord, decode
 from stability.transport import Emitter, EmitterStats, parse_id, read_spool, spool_path
+from stability.transport._emitter import RETRY_CLOSING_FOR_S
 
 RUN = "run-t"
 T0 = 1_700_000_000.0
@@ -225,6 +226,40 @@ def test_hung_redis_spools_then_replays(
     assert len({eid for eid, _ in entries}) == 150
     stats = emitter.stats
     assert stats.duplicates <= 10 and stats.replayed >= 90 and stats.errors == 0
+
+
+def test_a_redis_that_stalled_before_close_gets_the_spool_and_the_end_at_close(
+    redis_client: redis.Redis, redis_server: RedisServer, make_emitter: Callable[..., Emitter]
+) -> None:
+    """Redis stalls (SIGSTOP) near the end, records spool, it answers again just as the run closes: the close tries
+    it again instead of waiting out the retry backoff, so the spool is replayed and the rank's end recorded (a demo
+    on a busy machine once ended "offline" this way: no drain, no archive)."""
+    emitter = make_emitter(redis_server.url, timeout_s=0.3, batch_max=10)
+    assert all(emitter.put(_rec(step)) for step in range(50))
+    assert emitter.flush(10) and emitter.stats.sent == 50
+    pid = redis_server.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert all(emitter.put(_rec(step)) for step in range(50, 150))
+        assert emitter.flush(20) and emitter.stats.spooled >= 90
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    emitter.close(timeout=20)  # the next retry was due >= 1 s after the stall began
+    assert emitter.reachable, emitter.stats
+    assert not emitter.spool_path.exists()
+    assert [rec.step for _, rec in _stream(redis_client)] == list(range(150))
+    assert redis_client.hexists(keys.meta(RUN), "ended:0")
+
+
+def test_close_does_not_retry_a_redis_that_refuses(make_emitter: Callable[..., Emitter], dead_url: str) -> None:
+    emitter = make_emitter(dead_url)
+    assert all(emitter.put(_rec(step)) for step in range(20))
+    started = time.monotonic()
+    emitter.close(timeout=30)
+    # retrying would take RETRY_CLOSING_FOR_S (10 s); spooling at once takes milliseconds
+    assert time.monotonic() - started < RETRY_CLOSING_FOR_S / 2, "nothing listens: the close spools at once"
+    assert not emitter.reachable and emitter.stats.spooled == 20
 
 
 def test_out_of_memory_is_retried_not_lost(

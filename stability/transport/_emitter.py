@@ -56,6 +56,11 @@ logger = logging.getLogger(__name__)
 RETRY_MIN_S = 1.0
 RETRY_MAX_S = 5.0
 RETRY_MISCONFIGURED_S = 30.0
+RETRY_CLOSING_S = 0.5
+"""While closing, the longest wait between tries at a Redis that timed out."""
+RETRY_CLOSING_FOR_S = 10.0
+"""While closing, how long to keep trying a Redis that timed out (within the close's own timeout)."""
+RETRY_MARGIN_S = 0.2
 """Retry interval after an authentication or TLS failure (a fixed ACL may let a later attempt in)."""
 _LOG_EVERY_S = 60.0
 _DUPLICATE = "equal or smaller than the target stream top item"
@@ -182,6 +187,9 @@ class Emitter:
         self._handled = 0
         self._closed = False
         self._stop = threading.Event()
+        self._close_by = math.inf
+        """When :meth:`close` will stop waiting for the emitter thread (monotonic): the thread's last tries at Redis
+        must end before it."""
         self._up = False
         self._timed_out = False
         """The last failure was a timeout (Redis hung or overloaded), not a refusal."""
@@ -251,6 +259,7 @@ class Emitter:
         """
         with self._lock:
             self._closed = True
+            self._close_by = time.monotonic() + timeout
             self._ready.notify_all()
         self._stop.set()
         self._thread.join(timeout)
@@ -311,10 +320,29 @@ class Emitter:
                 return
         if not self._up and (not self._timed_out or time.monotonic() >= self._retry_at):
             self._guarded(self._connect)  # at once, unless Redis just let a call time out (hung): exit promptly
+        self._retry_until_close_by()
         self._guarded(self._mark_ended)
         self._guarded(self._keep_lost_count)
         if self._client is not None:
             self._guarded(self._client.close)
+
+    def _retry_until_close_by(self) -> None:
+        """Closing after Redis let a call time out: keep trying it (spool replay, then the rank's end) for up to
+        :data:`RETRY_CLOSING_FOR_S`, while a try can still end before :meth:`close` stops waiting. A Redis that
+        stalled for a moment under load (an embedded server's fsync on a busy machine) must not turn the end of a
+        run into an offline one. A refused connection (nothing listening) is not retried, and a short exit flush
+        (1 s) leaves no room for another try: both exits stay prompt."""
+        give_up = min(self._close_by - 2 * self._timeout_s - RETRY_MARGIN_S, time.monotonic() + RETRY_CLOSING_FOR_S)
+        while not self._up and self._timed_out:
+            with self._lock:
+                if self._abandoned:
+                    return
+            now = time.monotonic()
+            start = max(now, min(self._retry_at, now + RETRY_CLOSING_S))
+            if start > give_up:
+                return
+            time.sleep(start - now)
+            self._guarded(self._connect)
 
     def _new_client(self) -> RedisClient:
         """A client that fails fast (no retries, short timeouts): a failed round trip means "spool"."""
