@@ -28,6 +28,9 @@ Statistical rules for a step with at least ``min_ranks`` (3) reporting replicas 
   (64) decided steps) when larger, and the rank must disagree on ``persist`` (2) of the last 3 decided steps (a bad
   batch on one rank is a one-step event, not a faulty GPU). A non-finite loss on one rank only -> ERROR at once.
 
+Records of sharded parameters (coordinate ``sharded`` = 1: FSDP2, ``DTensor``) carry each rank's norm of its own
+shard, which differs across ranks by design: only their losses are compared.
+
 The finding (kind ``rank_disagreement``) is on the faulty rank and names it and its host (``StepRecord.host``).
 One finding per rank until it agrees again for ``rearm`` (20) decided steps.
 
@@ -46,7 +49,7 @@ import numpy as np
 
 from stability.detectors._stats import safe_exp
 from stability.detectors.base import Finding, Severity
-from stability.records import StepRecord
+from stability.records import SHARDED, StepRecord
 
 __all__ = ["CrossRankConfig", "CrossRankDetector"]
 
@@ -118,7 +121,8 @@ class CrossRankDetector:
         self._world = max(self._world, int(record.coords.get("world_size", 0)))
         if record.step <= self._decided:
             return []
-        self._pending.setdefault(record.step, {})[rank] = [_value(record, "loss"), _value(record, "grad_norm")]
+        grad = None if record.coords.get(SHARDED) else _value(record, "grad_norm")  # each rank's own shard's norm
+        self._pending.setdefault(record.step, {})[rank] = [_value(record, "loss"), grad]
         self._newest = max(self._newest, record.step)
         out: list[Finding] = []
         expected = max(self._world, len(self._hosts))

@@ -129,7 +129,7 @@ from stability.hooks.schedules import every
 from stability.hooks.staging import Reader, RecordSink, StagedStep, stage
 from stability.hooks.step_state import StepState, forward_tail, observed_win
 from stability.hooks.timing import Performance
-from stability.records import MAX_ID_CHARS, MAX_NAME_CHARS
+from stability.records import MAX_ID_CHARS, MAX_NAME_CHARS, SHARDED
 
 __all__ = ["MAX_ERRORS", "PENDING_LIMIT", "Capture", "RecordSink", "hook_scope", "in_hook"]
 
@@ -873,6 +873,9 @@ class Capture:
         previous = self._layout
         self._layout = build_layout(self._roots, wanted)
         self._layout_has_optimizer = optimizer is not None
+        if self._layout.sharded and not self._coords_arg.get(SHARDED):  # FSDP2: the norms are this rank's shard's
+            self._coords_arg[SHARDED] = 1
+            self._meta = None
         snapshot = self._state.snapshot
         if previous is not None and snapshot is not None and (
             len(snapshot.buffers) != len(self._layout.params)

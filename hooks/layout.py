@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stability.hooks.stats import to_device
+from stability.hooks.stats import is_sharded, local_shards, to_device
 
 __all__ = ["OTHER", "ROOT", "ParamLayout", "build_layout", "optimizer_params"]
 
@@ -39,6 +39,7 @@ class ParamLayout:
     _index: dict[tuple[torch.device, int], torch.Tensor] = field(default_factory=dict)
     _names: dict[str, list[str]] = field(default_factory=dict)
     _bytes: int | None = None
+    _sharded: bool | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -48,6 +49,18 @@ class ParamLayout:
         if self._bytes is None:
             self._bytes = sum(p.numel() * p.element_size() for p in self.params)
         return self._bytes
+
+    @property
+    def sharded(self) -> bool:
+        """Whether some parameters are ``DTensor`` shards (FSDP2, tensor parallelism): their statistics are then
+        this rank's shard's (:func:`~stability.hooks.stats.local_shards`)."""
+        if self._sharded is None:
+            self._sharded = is_sharded(self.params)
+        return self._sharded
+
+    def local_params(self) -> list[torch.Tensor]:
+        """:attr:`params`, each ``DTensor`` as this rank's local shard (read each time: FSDP may re-create it)."""
+        return self.params if not self.sharded else local_shards(self.params)
 
     def index(self, device: torch.device, *, repeat: int = 1) -> torch.Tensor:
         """The owner index as an int64 tensor on ``device``, made once (pinned + non-blocking copy on CUDA).

@@ -76,10 +76,11 @@ class Measure:
         if not self.own_grad_norm and not layer_due:
             return
         device = device_of(layout)
-        grads = [p.grad for p in layout.params] if given is None else given
+        grads = stats.local_shards([p.grad for p in layout.params] if given is None else given)
         if norms is None:
             norms = stats.tensor_norms(grads, device)
-        if given is None and self._stats_due(step):
+        if given is None and self._stats_due(step) and not layout.sharded:
+            # (DTensor gradients: an in-place clip bumps no version counter, so a reuse could not be checked)
             state.grad_norms = Unchanged.now(norms, grads)
         if self.own_grad_norm:
             total = torch.linalg.vector_norm(norms).reshape(1)
@@ -129,7 +130,7 @@ class Measure:
         counts, as a loop without an optimizer updates through ``p.data`` (which torch does not count as a change)
         between two sampled steps. Not seen: a change through ``p.data`` between the optimizer step and the next
         one (e.g. weight clipping written as ``p.data.clamp_()``); ``‖w before‖`` is then that of before it."""
-        params = layout.params
+        params = layout.local_params()
         kept = self.snapshot_buffers
         if kept is None or kept[0] is not layout or any(
             b.shape != p.shape or b.dtype != p.dtype or b.device != p.device
@@ -139,7 +140,7 @@ class Measure:
         with torch.no_grad():
             torch._foreach_copy_(kept[1], params)
         last = self._param_sq_norms
-        if last is not None and last[0] == step - 1 and last[1].holds_for(params):  # ‖w after‖ of that step
+        if last is not None and last[0] == step - 1 and last[1].holds_for(layout.params):  # ‖w after‖ of that step
             return Snapshot(kept[1], last[1].values)
         return Snapshot(kept[1], stats.tensor_norms(kept[1], device_of(layout)).square())
 
@@ -152,7 +153,7 @@ class Measure:
             return
         device, n = device_of(layout), len(layout.modules)
         index = layout.index(device)
-        params, snapshot = layout.params, state.snapshot
+        params, snapshot = layout.local_params(), state.snapshot
         with torch.no_grad():
             if snapshot is None:
                 per_tensor = stats.tensor_norms(params, device).square()
@@ -168,16 +169,18 @@ class Measure:
                 denom = torch.where(before_sq > 0, before_sq, sums[:n]).clamp_min(torch.finfo(before_sq.dtype).tiny)
                 state.parts.append((layout.names("update_ratio"), (sums[n:] / denom).sqrt()))
                 state.snapshot = None
-        self._param_sq_norms = (step, Unchanged.now(per_tensor, params))
+        self._param_sq_norms = (step, Unchanged.now(per_tensor, layout.params))  # DTensors: theirs bump, shards' not
         state.parts.append((layout.names("param_norm"), param_sq.sqrt()))
         adam = adam_state([optimizer, *co] if optimizer is not None else [], layout.params)
         if adam is not None:
             vs, beta2, steps = adam
+            vs, steps = stats.local_shards(vs), stats.local_shards(steps)
+            grads = stats.local_shards([p.grad for p in layout.params])
             known = state.grad_norms
-            if known is not None and known.holds_for([p.grad for p in layout.params]):  # no 2nd pass over them
+            if known is not None and known.holds_for(grads):  # no 2nd pass over them
                 g_sq, v_prev = stats.adam_lag(None, vs, beta2, steps, index, n, device, grad_norms=known.values)
             else:
-                gs = [p.grad if v is not None else None for p, v in zip(layout.params, vs, strict=True)]
+                gs = [g if v is not None else None for g, v in zip(grads, vs, strict=True)]
                 g_sq, v_prev = stats.adam_lag(gs, vs, beta2, steps, index, n, device)
             ratio = torch.where(v_prev > 0, g_sq / v_prev, torch.full_like(v_prev, ABSENT))
             state.parts.append((layout.names("adam_v_ratio"), ratio))

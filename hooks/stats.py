@@ -23,8 +23,9 @@ the step: most of the capture's per-step cost before the count became conditiona
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,6 +37,8 @@ __all__ = [
     "adam_lag",
     "first_float_tensor",
     "host_reads_free",
+    "is_sharded",
+    "local_shards",
     "logit_z",
     "logits_of",
     "nonfinite_count",
@@ -212,6 +215,35 @@ def _step_counts(steps: Sequence[torch.Tensor | float | None], out: torch.device
     if all(c.device.type == "cpu" for c in counts):  # CPU step tensors or numbers, stacked, never read
         return to_device(torch.stack(counts), out)
     return torch.stack([c.to(out, non_blocking=True) for c in counts])  # device step counts stay there
+
+
+def _dtensor_type() -> type | None:
+    """torch's ``DTensor`` class when its module is loaded (no DTensor can exist before), else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def is_sharded(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether any of ``tensors`` is a ``DTensor`` (FSDP2's ``fully_shard``, tensor parallelism)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+
+
+def local_shards(tensors: Sequence[Any]) -> list[Any]:
+    """``tensors`` with every ``DTensor`` replaced by this rank's local shard (a plain tensor sharing its storage).
+
+    Statistics of sharded parameters, gradients and optimizer states are then those of this rank's shard, and no
+    collective runs in a hook (a ``DTensor`` reduction would all-reduce across ranks). ``_local_tensor`` is read
+    directly: ``to_local()`` goes through an autograd function, ~10 us a tensor on every step."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not any(isinstance(t, dtensor) for t in tensors):
+        return list(tensors)
+    return [_local(t) if isinstance(t, dtensor) else t for t in tensors]
+
+
+def _local(t: Any) -> torch.Tensor:
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t.to_local()
 
 
 def to_device(host: torch.Tensor, out: torch.device) -> torch.Tensor:

@@ -16,8 +16,9 @@ Some of what the capture needs has no hook in torch, so a few functions are wrap
   statistics are taken *before* clipping; listeners also hear when it returned. Code that bound the function
   before the patch (``from torch.nn.utils import clip_grad_norm_`` executed earlier) calls the original;
   gradients are then measured at the optimizer pre-step hook, i.e. after clipping. For the common call (L2,
-  float32 gradients on one device) the wrapper computes the per-tensor norms once, hands them to the listeners
-  and clips with torch's own ``clip_grads_with_norm_``: one pass over the gradients instead of two.
+  float32 gradients on one device, not ``DTensor`` shards) the wrapper computes the per-tensor norms once, hands
+  them to the listeners and clips with torch's own ``clip_grads_with_norm_``: one pass over the gradients instead
+  of two.
 
 The patches are installed when the first :class:`PatchListener` subscribes and removed when the last one
 unsubscribes; the wrappers call the original unchanged and report to the listeners, which must not raise. A
@@ -270,8 +271,8 @@ def _norms_once(parameters: torch.Tensor | list[torch.Tensor], args: tuple[Any, 
     if not present:
         return None
     device = present[0].device
-    if any(g.dtype != torch.float32 or g.device != device or g.is_sparse for g in present):
-        return None
+    if any(g.dtype != torch.float32 or g.device != device or g.is_sparse for g in present) or stats.is_sharded(present):
+        return None  # DTensor shards (FSDP2): torch's own clipping, whose norm is the whole model's
     with torch.no_grad():
         norms = stats.tensor_norms(grads, device)
         total = torch.linalg.vector_norm(norms, 2.0)

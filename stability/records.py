@@ -32,6 +32,7 @@ from stability.errors import RecordError
 
 __all__ = [
     "FORMAT_VERSION",
+    "SHARDED",
     "MAX_RECORD_BYTES",
     "MAX_SIGNALS",
     "GLOBAL_SIGNALS",
@@ -129,6 +130,12 @@ def check_run_id(run_id: object) -> str:
     return run_id
 
 
+SHARDED = "sharded"
+"""Coordinate set to 1 on records whose gradient, parameter and optimizer-state statistics are those of the rank's
+shard of sharded parameters (FSDP2's ``fully_shard``, tensor-parallel ``DTensor`` s): ranks hold different shards,
+so those statistics legitimately differ across ranks (the cross-rank detector compares only their losses)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepRecord:
     """One optimizer step of one rank."""
@@ -140,7 +147,8 @@ class StepRecord:
     wall_time: float = 0.0
     host: str = ""
     coords: Mapping[str, int] = field(default_factory=dict)
-    """Parallel coordinates when known: ``dp``, ``tp``, ``pp``, ``ep``, ``cp``, ``world_size``, ``local_rank``."""
+    """Parallel coordinates when known: ``dp``, ``tp``, ``pp``, ``ep``, ``cp``, ``world_size``, ``local_rank``;
+    ``sharded`` (:data:`SHARDED`) = 1 when the norms are of this rank's parameter shards (FSDP2 / ``DTensor``)."""
     batch: str | None = None
     """Optional batch identity (for replay and skip lists)."""
 

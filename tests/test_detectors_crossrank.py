@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import msgpack
@@ -11,7 +12,7 @@ import pytest
 from stability.detectors import CrossRankDetector, RunDiagnoser, Severity
 from stability.detectors.base import Finding
 from stability.postmortem import analyze
-from stability.records import StepRecord
+from stability.records import SHARDED, StepRecord
 from stability.testing import diagnose, diagnose_split
 
 N, RANKS = 400, 4
@@ -74,6 +75,23 @@ def test_one_rank_with_a_different_grad_norm_is_named_with_its_host() -> None:
     [event] = [e for e in analyze(round_robin(run_records(grad_fault=(250, 1.8))), "r").events
                if e["kind"] == "rank_disagreement"]
     assert (event["rank"], event["host"], event["causes"][0]["cause"]) == (2, "node-1-gpu0", "hardware_fault")
+
+
+def test_sharded_ranks_norms_are_not_compared_but_their_losses_are() -> None:
+    """FSDP2 ranks each norm their own shard of the parameters (coordinate ``sharded``): norms that differ 2x by
+    rank, every step, are no disagreement; a loss that does is still found."""
+    def shard(per_rank: dict[int, list[StepRecord]]) -> dict[int, list[StepRecord]]:
+        return {r: [dataclasses.replace(rec, coords={**rec.coords, SHARDED: 1},
+                                        signals={**rec.signals, "grad_norm": rec.signals["grad_norm"] * (1 + r)})
+                    for rec in recs] for r, recs in per_rank.items()}
+
+    assert disagreements(diagnose(round_robin(shard(run_records())))[0]) == []
+    jump = run_records(grad_fault=(250, 1.8))  # one rank's norm off at one step: unsharded, a disagreement
+    assert disagreements(diagnose(round_robin(jump))[0])
+    assert disagreements(diagnose(round_robin(shard(jump)))[0]) == []
+    found = disagreements(diagnose(round_robin(shard(run_records(loss_fault=(250, 260, 3.0)))))[0])
+    assert found and {(step, rank, signal) for step, rank, _, signal, _ in found} <= {
+        (s, 2, "loss") for s in range(250, 260)}, found
 
 
 def test_clean_ranks_agree() -> None:

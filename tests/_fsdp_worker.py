@@ -1,0 +1,89 @@
+"""One rank of the two-process FSDP2 test (run by ``torchrun --nproc_per_node 2``; see tests/test_fsdp.py).
+
+Trains a small MLP sharded with ``fully_shard`` (gloo, CPU) with AdamW and ``clip_grad_norm_`` under a
+:class:`Capture` and a :class:`ListSink`, and notes per step the norm of this rank's shard of the gradients before
+clipping and the whole model's norm that torch's clipping used. Then trains the same model again without the
+capture. Writes ``<out>/rank-<rank>.json``: the records, those references, and whether both trainings ended with
+bit-identical parameters (the capture must not change training, e.g. by clipping with a shard's norm).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from stability.config import WatchConfig
+from stability.hooks.capture import Capture
+from stability.testing import ListSink
+
+STEPS = 12
+
+
+def adam_ratios(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, float]:
+    """Per module, Adam's ``sum g^2 / sum v_prev`` (bias-corrected, before this step) over this rank's shards,
+    from the gradients as the optimizer saw them (clipped)."""
+    beta2 = opt.param_groups[0]["betas"][1]
+    out = {}
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        g2 = sum(float(p.grad.to_local().double().square().sum()) for p in params)  # type: ignore[union-attr]
+        v = sum(float(opt.state[p]["exp_avg_sq"].to_local().double().sum()) for p in params)
+        t = float(opt.state[params[0]]["step"])
+        if t > 1:
+            out[name] = g2 / (max(v - (1 - beta2) * g2, 0.0) / beta2 / (1 - beta2 ** (t - 1)))
+    return out
+
+
+def train(capture: bool) -> tuple[list[torch.Tensor], list[dict[str, float]], list[dict], int]:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(2)],
+                          nn.Linear(16, 4))
+    for block in model[:2]:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sink = ListSink()
+    cap = Capture(WatchConfig(run_id="fsdp-two", stats_every=2), sink).attach(model, opt) if capture else None
+    gen = torch.Generator().manual_seed(100 + rank)
+    seen = []
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        local = torch.stack([p.grad.to_local().norm() for p in model.parameters()]).norm()  # type: ignore[union-attr]
+        total = nn.utils.clip_grad_norm_(model.parameters(), 0.1)  # below every step's norm: every step clips
+        opt.step()
+        seen.append({"loss": float(loss), "local_grad_norm": float(local), "total": float(total.full_tensor()),
+                     "adam_v_ratio": adam_ratios(model, opt)})
+    errors = 0
+    if cap is not None:
+        cap.close()
+        errors = cap.errors
+    records = [{"step": r.step, "rank": r.rank, "coords": dict(r.coords), "signals": dict(r.signals)}
+               for r in sorted(sink.records, key=lambda r: r.step)]
+    return [p.to_local().detach().clone() for p in model.parameters()], seen, records, errors
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    with_capture, seen, records, errors = train(capture=True)
+    without, _, _, _ = train(capture=False)
+    same = all(torch.equal(a, b) for a, b in zip(with_capture, without, strict=True))
+    (out / f"rank-{rank}.json").write_text(json.dumps(
+        {"records": records, "seen": seen, "errors": errors, "training_unchanged": same}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
