@@ -194,6 +194,10 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
     structural = _kind_cause(finding)
     if structural is not None:
         hints.add(structural[0], structural[1] - _symptom_of_lr(finding, history, hints), finding.message)
+    if finding.kind == "rank_disagreement" and finding.signal == "loss" and not math.isfinite(finding.value):
+        hints.add("bad_batch", 0.6, f"a non-finite loss on rank {finding.rank} only, at step {finding.onset}: a batch "
+                  "with NaN/Inf inputs on that rank does the same (if that batch reproduces it on another device, it "
+                  "is the data)")
     if finding.kind == "adam_v_lag":  # its own cause, but not a precursor cause of later findings (_adam_rule is)
         hints.add("adam_second_moment", 0.7, finding.message, finding.signal)
     precursors += _recent_hints(finding, history, hints, recent, event)

@@ -474,11 +474,14 @@ class Capture:
 
     @_hook
     def after_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor],
-                   clipped: tuple[torch.Tensor, float] | None = None) -> None:
+                   clipped: tuple[torch.Tensor, float] | None = None, total: torch.Tensor | None = None) -> None:
         """``clip_grad_norm_`` returned: the measured norms, scaled like the gradients, are those of the clipped
-        gradients (for Adam's statistic on sampled steps); with no optimizer, the update comes next."""
+        gradients (for Adam's statistic on sampled steps); with no optimizer, the update comes next. With sharded
+        parameters the norm the clip returned (the whole model's) replaces this rank's shard's as ``grad_norm``."""
         if self._state.clip_measured:
             self._measure.clipped(self._state, self._step, clipped)
+        if total is not None and self._layout is not None and self._layout.sharded:
+            self._measure.whole_grad_norm(self._state, total)
         if self._manual():
             self._rhythm.after_clip()
 
@@ -873,9 +876,10 @@ class Capture:
         previous = self._layout
         self._layout = build_layout(self._roots, wanted)
         self._layout_has_optimizer = optimizer is not None
-        if self._layout.sharded and not self._coords_arg.get(SHARDED):  # FSDP2: the norms are this rank's shard's
+        if self._layout.sharded and not self._coords_arg.get(SHARDED):  # FSDP: the norms are this rank's shard's
             self._coords_arg[SHARDED] = 1
             self._meta = None
+            torch_patches.refresh()  # FSDP1's clip_grad_norm_ when FSDP was imported after us
         snapshot = self._state.snapshot
         if previous is not None and snapshot is not None and (
             len(snapshot.buffers) != len(self._layout.params)

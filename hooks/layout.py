@@ -4,8 +4,9 @@ Per-module signals are named ``<quantity>/<module path>``, the module path being
 gives the module that *directly* owns the parameters (``transformer.h.0.attn.c_attn``). Parameters owned by the
 root module itself are grouped under ``root``. With several root modules (two models trained by one optimizer)
 paths are prefixed ``root0.``, ``root1.``, ...; parameters the optimizer holds that are in no root go to
-``_other``. A parameter shared by two modules (tied embeddings) belongs to the first one in module order. A model
-wrapped by ``torch.compile`` keeps its own names (the wrapper's ``_orig_mod.`` prefix is dropped).
+``_other``. A parameter shared by two modules (tied embeddings) belongs to the first one in module order.
+Wrappers' attributes (``torch.compile``'s ``_orig_mod``, FSDP1's ``_fsdp_wrapped_module``,
+``_checkpoint_wrapped_module``) are dropped from the paths unless two modules would then share one.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class ParamLayout:
 
     @property
     def sharded(self) -> bool:
-        """Whether some parameters are ``DTensor`` shards (FSDP2, tensor parallelism): their statistics are then
-        this rank's shard's (:func:`~stability.hooks.stats.local_shards`)."""
+        """Whether some parameters are ``DTensor`` shards (FSDP2, tensor parallelism) or FSDP1's flat-parameter
+        shards: their statistics are then this rank's shard's (:func:`~stability.hooks.stats.local_shards`)."""
         if self._sharded is None:
             self._sharded = is_sharded(self.params)
         return self._sharded
@@ -124,7 +125,9 @@ def build_layout(roots: Sequence[torch.nn.Module], params: Iterable[torch.Tensor
     for r, root in enumerate(roots):
         prefix = f"root{r}" if len(roots) > 1 else ""
         for name, module in root.named_modules():
-            name = _without_compile_prefix(name)
+            short = _without_wrappers(name)
+            if short != name and (".".join(x for x in (prefix, short) if x) or ROOT) not in layout.modules:
+                name = short
             own = [
                 p
                 for p in module.parameters(recurse=False)
@@ -137,18 +140,28 @@ def build_layout(roots: Sequence[torch.nn.Module], params: Iterable[torch.Tensor
     rest = [p for p in (wanted or []) if id(p) not in placed]
     if rest:
         _add_group(layout, OTHER, None, rest, placed)
+    if _fsdp1(roots):
+        layout._sharded = True
     return layout
 
 
-COMPILED = "_orig_mod"
-"""The attribute under which ``torch.compile(module)``'s wrapper holds the module: its names drop this prefix."""
+WRAPPERS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+"""Attributes under which wrappers hold the module they wrap (``torch.compile``, FSDP1's ``FullyShardedDataParallel``,
+activation checkpointing's ``CheckpointWrapper``): module paths drop them, so a wrapped model keeps the names the user
+knows (``_fsdp_wrapped_module.h.0._fsdp_wrapped_module.attn`` -> ``h.0.attn``)."""
 
 
-def _without_compile_prefix(name: str) -> str:
-    """``_orig_mod.h.0.attn`` -> ``h.0.attn``: a compiled model's modules keep the names the user knows."""
-    if name == COMPILED:
-        return ""
-    return name.removeprefix(COMPILED + ".")
+def _without_wrappers(name: str) -> str:
+    """``name`` without the :data:`WRAPPERS` components (``""`` for the wrapped root itself)."""
+    if not any(w in name for w in WRAPPERS):
+        return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPERS)
+
+
+def _fsdp1(roots: Sequence[torch.nn.Module]) -> bool:
+    """Whether FSDP1 (``FullyShardedDataParallel``) wraps part of ``roots``: each rank then holds a shard of every
+    flat parameter (the original parameters are views of it, empty where another rank holds them)."""
+    return any(type(m).__name__ == "FullyShardedDataParallel" for root in roots for m in root.modules())
 
 
 def _add_group(

@@ -90,6 +90,22 @@ class Measure:
             per_module = stats.segment_sum(norms.square(), layout.index(device), len(layout.modules)).sqrt()
             state.grad_parts.append((layout.names("grad_norm"), per_module))
 
+    def whole_grad_norm(self, state: StepState, total: torch.Tensor) -> None:
+        """Sharded parameters: ``grad_norm`` becomes the whole model's norm a clip returned (FSDP1's plain tensor,
+        or FSDP2's replicated ``DTensor``, whose local value is it: no collective here) instead of this rank's
+        shard's. A ``DTensor`` that is not replicated is left alone."""
+        placements = getattr(total, "placements", None)
+        if placements is not None:
+            if not all(type(p).__name__ == "Replicate" for p in placements):
+                return
+            [total] = stats.local_shards([total])
+        if not isinstance(total, torch.Tensor) or total.numel() != 1:
+            return
+        for i, (names, _) in enumerate(state.grad_parts):
+            if names == ["grad_norm"]:
+                state.grad_parts[i] = (names, total.detach().reshape(1).to(torch.float32))
+                return
+
     def clip_norms(self, layout: ParamLayout, params: list[torch.Tensor], norms: torch.Tensor) -> torch.Tensor | None:
         """``norms`` (aligned with ``params``) reordered to the layout's parameters; None when some are missing."""
         if norms.device != device_of(layout) or norms.numel() != len(params):

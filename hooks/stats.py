@@ -224,9 +224,11 @@ def _dtensor_type() -> type | None:
 
 
 def is_sharded(tensors: Sequence[torch.Tensor | None]) -> bool:
-    """Whether any of ``tensors`` is a ``DTensor`` (FSDP2's ``fully_shard``, tensor parallelism)."""
+    """Whether any of ``tensors`` is a ``DTensor`` (FSDP2's ``fully_shard``, tensor parallelism) or an FSDP1 flat
+    parameter (this rank's shard of several parameters)."""
     dtensor = _dtensor_type()
-    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+    return any(getattr(t, "_is_flat_param", False) for t in tensors) or (
+        dtensor is not None and any(isinstance(t, dtensor) for t in tensors))
 
 
 def local_shards(tensors: Sequence[Any]) -> list[Any]:

@@ -8,10 +8,13 @@ Some of what the capture needs has no hook in torch, so a few functions are wrap
   before it runs too (a loop without an optimizer: the step in progress may have ended, see
   :mod:`stability.hooks.rhythm`).
 * ``torch.nn.Module.zero_grad``: before it runs (the gradients are still there), for loops without an optimizer.
-* ``torch.amp.GradScaler.scale`` (and ``ShardedGradScaler.scale`` when FSDP's module is already imported): which
+* ``torch.amp.GradScaler.scale`` (and ``ShardedGradScaler.scale`` when FSDP's module is imported: :func:`refresh`
+  patches it when FSDP came later): which
   tensor is a scaled loss, so the capture can divide the scale out again.
 * ``torch.amp.GradScaler.step``: around the call, so a step the scaler skipped (``optimizer.step()`` never ran,
   so no optimizer hook fired) still produces a record.
+* FSDP1's ``FullyShardedDataParallel.clip_grad_norm_`` when FSDP's module is imported (the same): like
+  ``clip_grad_norm_`` below, run as is; listeners hear the whole model's norm it returns.
 * ``torch.nn.utils.clip_grad_norm_`` (the same function as ``torch.nn.utils.clip_grad.clip_grad_norm_``): gradient
   statistics are taken *before* clipping; listeners also hear when it returned. Code that bound the function
   before the patch (``from torch.nn.utils import clip_grad_norm_`` executed earlier) calls the original;
@@ -40,7 +43,7 @@ import torch
 
 from stability.hooks import stats
 
-__all__ = ["PatchListener", "installed", "subscribe", "unsubscribe"]
+__all__ = ["PatchListener", "installed", "refresh", "subscribe", "unsubscribe"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +61,12 @@ class PatchListener(Protocol):
         """``module.zero_grad()`` is about to run (optional)."""
 
     def after_clip(self, parameters: torch.Tensor | Sequence[torch.Tensor],
-                   clipped: tuple[torch.Tensor, float] | None = None) -> None:
+                   clipped: tuple[torch.Tensor, float] | None = None, total: torch.Tensor | None = None) -> None:
         """``clip_grad_norm_(parameters, ...)`` returned (optional); ``clipped``: ``(total norm, max_norm)`` when
         the patch clipped with the norms it gave ``before_clip`` (the gradients were multiplied by
-        ``clamp(max_norm / (total + 1e-6), max=1)``, torch's formula), else None."""
+        ``clamp(max_norm / (total + 1e-6), max=1)``, torch's formula), else None. ``total``: the norm the clip
+        returned when it ran as is (a ``DTensor`` for FSDP2's gradients; FSDP1's method returns the whole
+        model's), else None."""
 
     def on_scale(self, scaler: Any, output: torch.Tensor) -> None:
         """``scaler.scale(loss)`` returned ``output``."""
@@ -141,10 +146,33 @@ def _install() -> None:
         (torch.nn.utils, "clip_grad_norm_", clip),
         (torch.nn.Module, "zero_grad", _wrap_zero_grad(torch.nn.Module.zero_grad)),
     ]
+    _apply([*targets, *_fsdp_targets()])
+
+
+def refresh() -> None:
+    """Patch FSDP's functions too if FSDP was imported after the patches were installed (a script that imports
+    ``stability.auto`` first); the capture calls this when it finds the model's parameters."""
+    with _lock:
+        if _listeners and _patches:
+            _apply(_fsdp_targets())
+
+
+def _fsdp_targets() -> list[tuple[Any, str, Any]]:
+    """``ShardedGradScaler.scale`` and FSDP1's ``clip_grad_norm_``, when their modules are loaded and not patched."""
+    done = {(id(p.target), p.name) for p in _patches}
+    targets: list[tuple[Any, str, Any]] = []
     sharded = sys.modules.get("torch.distributed.fsdp.sharded_grad_scaler")
     if sharded is not None and hasattr(sharded, "ShardedGradScaler"):
         cls = sharded.ShardedGradScaler
         targets.append((cls, "scale", _wrap_scale(cls.scale)))
+    fsdp1 = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    if fsdp1 is not None and callable(getattr(fsdp1, "FullyShardedDataParallel", None)):
+        cls = fsdp1.FullyShardedDataParallel
+        targets.append((cls, "clip_grad_norm_", _wrap_fsdp1_clip(cls.clip_grad_norm_)))
+    return [t for t in targets if (id(t[0]), t[1]) not in done]
+
+
+def _apply(targets: list[tuple[Any, str, Any]]) -> None:
     for target, name, wrapper in targets:
         owned = name in vars(target)
         _patches.append(_Patch(target, name, getattr(target, name), wrapper, owned))
@@ -234,14 +262,13 @@ def _wrap_clip(original: Callable[..., Any]) -> Callable[..., Any]:
         _notify("before_clip", parameters, None if shared is None else shared[0])
         if shared is None:
             result = original(parameters, *args, **kwargs)
-            clipped = None
-        else:
-            _norms, total, max_norm, foreach = shared
-            assert _clip_with_norm is not None
-            _clip_with_norm(parameters, max_norm, total, foreach)
-            result, clipped = total, (total, float(max_norm))
-        _notify("after_clip", parameters, clipped)
-        return result
+            _notify("after_clip", parameters, None, result)
+            return result
+        _norms, total, max_norm, foreach = shared
+        assert _clip_with_norm is not None
+        _clip_with_norm(parameters, max_norm, total, foreach)
+        _notify("after_clip", parameters, (total, float(max_norm)), None)
+        return total
 
     return clip_grad_norm_
 
@@ -277,6 +304,22 @@ def _norms_once(parameters: torch.Tensor | list[torch.Tensor], args: tuple[Any, 
         norms = stats.tensor_norms(grads, device)
         total = torch.linalg.vector_norm(norms, 2.0)
     return norms, total, bound["max_norm"], bound.get("foreach")
+
+
+def _wrap_fsdp1_clip(original: Callable[..., Any]) -> Callable[..., Any]:
+    """FSDP1's ``FullyShardedDataParallel.clip_grad_norm_``: listeners measure this rank's gradient shards before
+    it, and hear the whole model's norm it returns (it all-reduced them itself)."""
+    @functools.wraps(original)
+    def clip_grad_norm_(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not _listeners:
+            return original(self, *args, **kwargs)
+        parameters = [p for p in self.parameters() if p.requires_grad]
+        _notify("before_clip", parameters, None)
+        result = original(self, *args, **kwargs)
+        _notify("after_clip", parameters, None, result)
+        return result
+
+    return clip_grad_norm_
 
 
 def _wrap_zero_grad(original: Callable[..., Any]) -> Callable[..., Any]:

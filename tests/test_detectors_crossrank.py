@@ -120,6 +120,9 @@ def test_loss_needs_persistence_but_a_lone_nan_does_not() -> None:
     assert [(s, r, sig) for s, r, _, sig, _ in disagreements(alerts)] == [(201, 2, "loss")]
     alerts, _ = diagnose(round_robin(run_records(nan_at=220)))
     assert [(s, r, sig) for s, r, _, sig, _ in disagreements(alerts)] == [(220, 2, "loss")]
+    # a NaN loss on one rank: a faulty device first, a bad batch on that rank second
+    [nan] = [a for a in alerts if a.kind == "rank_disagreement"]
+    assert [c.cause for c in nan.causes[:2]] == ["hardware_fault", "bad_batch"], nan.causes
 
 
 @pytest.mark.parametrize("split", [500, 1001, 1003, 1203])
