@@ -96,7 +96,8 @@ def _event_name(finding: Finding) -> str:
             "grad_vanishing": "the gradient collapse", "rank_disagreement": "the disagreement",
             "attention_logit_growth": "the attention-logit growth", "activation_growth": "the activation growth",
             "logit_divergence": "the logit drift", "plateau": "the plateau",
-            "lr_off_schedule": "the LR rise"}.get(finding.kind, f"the {finding.kind}")
+            "lr_off_schedule": "the LR fall" if finding.evidence.get("fell") else "the LR rise",
+            }.get(finding.kind, f"the {finding.kind}")
 
 
 class _Hints:
@@ -164,6 +165,8 @@ def _kind_cause(finding: Finding) -> tuple[str, float] | None:
     loss that stalls while the LR climbs is not starved of LR)."""
     if finding.kind == "plateau" and finding.evidence.get("lr_ratio", 1.0) >= LR_ROSE:
         return ("lr_too_high", 0.6)
+    if finding.kind == "lr_off_schedule" and finding.evidence.get("fell"):
+        return ("lr_too_low", 0.85)  # the LR fell off its schedule: the run stalls
     return KIND_CAUSE.get(finding.kind)
 
 PRECURSOR_WINDOW = 100

@@ -20,6 +20,10 @@ From the logged LR alone it learns, in O(1) per record:
   Float noise: changes below ``noise`` (relative) are no change, and a rise must span ``quanta`` logging quanta
   (the printing resolution shown by small LR changes: llm.c prints 6 decimals, so near the end of its decay
   0.000001 -> 0.000002 would be a 2x "rise").
+* **Fallen off schedule** (the same finding, evidence ``fell``, cause ``lr_too_low``): a one-record fall of
+  ``fall_factor`` (100x; to 0, say) after the warm-up, from at least ``rewarm_floor`` of the peak to below it (an
+  LR back from a spike lands on its schedule), that the slope into the last record did not predict (a linear decay
+  ending at 0 predicts it). The training all but stops.
 * **Off schedule** (:class:`ScheduleDetector`, a WARNING ``lr_off_schedule``, cause ``lr_too_high``): a rise to
   ``rise_factor`` (1.2x) over the departure level that is neither (a slow drift of ~1.5 %/step reaches 1.2x in
   10-13 steps; logged every 10 steps, in 1-2 records), or a one-record jump above the peak (an LR spike).
@@ -64,6 +68,10 @@ class ScheduleConfig:
     """Relative LR changes below this are float noise."""
     jump_factor: float = 1.5
     """A one-record rise of this much after >= 5 non-rising records is a *jump* (``last_jump``, for ranking)."""
+    fall_factor: float = 100.0
+    """A one-record fall of this much (to 0, say) out of a flat or slowly decaying LR is off the schedule (a
+    scheduler whose horizon is shorter than the run, a misconfigured ``LambdaLR``): ``lr_off_schedule``, cause
+    ``lr_too_low``. Planned drops are 10x (step schedules' 0.1); decays that end at 0 get there on their trend."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,17 +289,34 @@ class LrSchedule:
 
 
 class ScheduleDetector:
-    """``lr_off_schedule``: the LR rose outside its warm-up and its restarts (see the module docstring)."""
+    """``lr_off_schedule``: the LR rose outside its warm-up and its restarts, or fell off its schedule (see the
+    module docstring)."""
 
     name = "schedule"
     kind = "lr_off_schedule"
 
     def __init__(self, config: ScheduleConfig | None = None) -> None:
         self.schedule = LrSchedule(config)
+        self.trend: tuple[int, float] | None = None
+        """(step, lr) of the positive LR before the schedule's last one (the slope into the last record)."""
+        self.fell = False
+        """A fall was reported; re-armed by the next positive LR that is no fall."""
 
     def update(self, record: StepRecord) -> list[Finding]:
         """Consume one record."""
-        off = self.schedule.update(record.step, record.get("lr"))
+        lr = record.get("lr")
+        sched = self.schedule
+        last, last_step = sched.last, sched.last_step
+        off = sched.update(record.step, lr)
+        fell = None
+        if lr is not None and last is not None and lr < last / sched.config.fall_factor:
+            fell = self._fell(record, lr, last, last_step)
+        elif self.fell and lr is not None and lr > 0:
+            self.fell = False
+        if sched.last != last or sched.last_step != last_step:
+            self.trend = None if last is None else (last_step, last)
+        if fell is not None:
+            return [fell]
         if off is None:
             return []
         steps = max(1, record.step - off.anchor_step)
@@ -309,14 +334,38 @@ class ScheduleDetector:
                         signal="lr", value=off.lr, message=what, detector=self.name,
                         rank=record.rank, host=record.host, score=off.factor, evidence=evidence)]
 
+    def _fell(self, record: StepRecord, lr: float, last: float, last_step: int) -> Finding | None:
+        """The LR fell ``fall_factor``x (to 0, say) in one record, from at least ``rewarm_floor`` of its peak to below
+        it: off the schedule unless it was still warming up or was heading there (the line through the two records
+        before predicts under a tenth of the last LR: the end of a linear decay)."""
+        sched, cfg = self.schedule, self.schedule.config
+        floor = cfg.rewarm_floor * sched.peak
+        if self.fell or sched.warming or not math.isfinite(lr) or last < floor or lr >= floor:
+            return None  # (landing at or above the floor: back from an LR spike, or a planned drop)
+        if self.trend is not None and last_step > self.trend[0]:
+            slope = (last - self.trend[1]) / (last_step - self.trend[0])
+            if last + slope * (record.step - last_step) < 0.1 * last:
+                return None
+        self.fell = True
+        what = (f"lr fell from {last:.3g} (step {last_step}) to {lr:.3g} at step {record.step} in one record, off its "
+                f"schedule (peak {sched.peak:.3g}): training all but stops at this LR")
+        evidence = {"fell": 1.0, "from": last, "to": lr, "peak": sched.peak, "factor": lr / last}
+        return Finding(kind=self.kind, step=record.step, onset=record.step, severity=Severity.WARNING, signal="lr",
+                       value=lr, message=what, detector=self.name, rank=record.rank, host=record.host,
+                       score=last / max(lr, 1e-30), evidence=evidence)
+
     def finish(self) -> list[Finding]:
         """Nothing to flush."""
         return []
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""
-        return self.schedule.state_dict()
+        return {**self.schedule.state_dict(), "fall_trend": None if self.trend is None else list(self.trend),
+                "fell": self.fell}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.schedule.load_state_dict(state)
+        trend = state.get("fall_trend")
+        self.trend = None if trend is None else (int(trend[0]), float(trend[1]))
+        self.fell = bool(state.get("fell", False))

@@ -135,6 +135,32 @@ def test_schedule_state_round_trip(split: int) -> None:
     assert got == full and len(full) == 1
 
 
+@pytest.mark.parametrize("to", [0.0, 1e-9])
+@pytest.mark.parametrize("base", ["constant", "linear-warmup-cosine", "step-decay", "inverse-sqrt"])
+def test_lr_falling_off_its_schedule_is_warned_once(base: str, to: float) -> None:
+    """A scheduler whose horizon ends before the run (or a LambdaLR returning 0) drops the LR to ~0 at once."""
+    lr = CLEAN[base](3000).copy()
+    lr[1500:] = to
+    for every in (1, 10, 50):
+        found = off_findings(lr_records(lr, every))
+        assert [(f.step, bool(f.evidence.get("fell"))) for f in found] == [(1500, True)], (every, found)
+        assert "fell" in found[0].message and found[0].severity is Severity.WARNING
+
+
+def test_lr_fall_rearms_when_the_lr_comes_back_and_survives_a_state_round_trip() -> None:
+    lr = np.full(3000, 1e-3)
+    lr[1000:1100] = 0.0
+    lr[2000:] = 0.0
+    recs = lr_records(lr)
+    assert [f.step for f in off_findings(recs)] == [1000, 2000]
+    first = ScheduleDetector()
+    got = [f for r in recs[:1050] for f in first.update(r)]
+    second = ScheduleDetector()
+    second.load_state_dict(msgpack.unpackb(msgpack.packb(first.state_dict()), raw=False))
+    got += [f for r in recs[1050:] for f in second.update(r)]
+    assert [f.step for f in got] == [1000, 2000]
+
+
 # --- the whole diagnoser: plateau cause, divergence cause -------------------------------------------------------
 
 
@@ -174,6 +200,17 @@ def test_lr_leaving_its_schedule_is_warned_first_and_names_lr_too_high(seed: int
             assert not (f.kind == "plateau" and f.causes[0].cause == "lr_too_low"), f
     loss_events = [f for i in diag.incidents for f in i.findings if f.kind in ("divergence", "loss_spike")]
     assert loss_events and all(f.causes[0].cause == "lr_too_high" for f in loss_events), loss_events
+
+
+def test_lr_falling_to_zero_names_lr_too_low() -> None:
+    rng = np.random.default_rng(0)
+    t = np.arange(3000)
+    lr = 1e-3 * warm(t, 200) * cosine(3000)(t)
+    lr[1800:] = 0.0
+    loss = np.exp(np.log(2.5 + 3.0 * np.exp(-np.minimum(t, 1800) / 400.0)) + rng.normal(0, 0.02, 3000))
+    alerts, _ = run({"loss": loss, "lr": lr, "grad_norm": np.exp(rng.normal(0, 0.1, 3000))})
+    fell = [a for a in alerts if a.kind == "lr_off_schedule"]
+    assert [a.step for a in fell] == [1800] and fell[0].causes[0].cause == "lr_too_low", fell
 
 
 def test_plateau_while_the_lr_rises_does_not_name_lr_too_low() -> None:
