@@ -202,9 +202,8 @@ def test_redis_killed_and_restarted_loses_nothing_and_duplicates_nothing(
     assert not emitter.spool_path.exists()
 
 
-def test_hung_redis_spools_then_replays(
-    redis_client: redis.Redis, redis_server: RedisServer, make_emitter: Callable[..., Emitter]
-) -> None:
+def _stalled_while_sending(redis_server: RedisServer, make_emitter: Callable[..., Emitter]) -> Emitter:
+    """An emitter that sent steps 0-49, then put steps 50-149 while Redis was stopped (SIGSTOP; resumed on return)."""
     emitter = make_emitter(redis_server.url, timeout_s=0.3, batch_max=10)
     assert all(emitter.put(_rec(step)) for step in range(50))
     assert emitter.flush(10) and emitter.stats.sent == 50
@@ -214,9 +213,16 @@ def test_hung_redis_spools_then_replays(
     try:
         assert all(emitter.put(_rec(step)) for step in range(50, 150))
         assert emitter.flush(20)
-        assert emitter.stats.spooled == 100 and emitter.stats.sent == 50
     finally:
         os.kill(pid, signal.SIGCONT)
+    return emitter
+
+
+def test_hung_redis_spools_then_replays(
+    redis_client: redis.Redis, redis_server: RedisServer, make_emitter: Callable[..., Emitter]
+) -> None:
+    emitter = _stalled_while_sending(redis_server, make_emitter)
+    assert emitter.stats.spooled == 100 and emitter.stats.sent == 50
     # The batch that timed out was applied once the server resumed ("maybe written"): it replays as duplicates,
     # never as second entries. Only that one batch (<= batch_max records) can be a duplicate.
     assert _wait_for(lambda: emitter.stats.replayed + emitter.stats.duplicates == 100), emitter.stats
@@ -234,17 +240,8 @@ def test_a_redis_that_stalled_before_close_gets_the_spool_and_the_end_at_close(
     """Redis stalls (SIGSTOP) near the end, records spool, it answers again just as the run closes: the close tries
     it again instead of waiting out the retry backoff, so the spool is replayed and the rank's end recorded (a demo
     on a busy machine once ended "offline" this way: no drain, no archive)."""
-    emitter = make_emitter(redis_server.url, timeout_s=0.3, batch_max=10)
-    assert all(emitter.put(_rec(step)) for step in range(50))
-    assert emitter.flush(10) and emitter.stats.sent == 50
-    pid = redis_server.pid
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        assert all(emitter.put(_rec(step)) for step in range(50, 150))
-        assert emitter.flush(20) and emitter.stats.spooled >= 90
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    emitter = _stalled_while_sending(redis_server, make_emitter)
+    assert emitter.stats.spooled >= 90
     emitter.close(timeout=20)  # the next retry was due >= 1 s after the stall began
     assert emitter.reachable, emitter.stats
     assert not emitter.spool_path.exists()
