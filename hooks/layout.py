@@ -37,10 +37,12 @@ class ParamLayout:
     """Module paths, one per group."""
     module_objects: list[torch.nn.Module | None]
     """The module of each group (None for ``_other``)."""
+    sharded: bool = False
+    """Some parameters are ``DTensor`` shards (FSDP2, tensor parallelism) or FSDP1 holds the model: their statistics
+    are this rank's shard's (:func:`~stability.hooks.stats.local_shards`)."""
     _index: dict[tuple[torch.device, int], torch.Tensor] = field(default_factory=dict)
     _names: dict[str, list[str]] = field(default_factory=dict)
     _bytes: int | None = None
-    _sharded: bool | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -50,14 +52,6 @@ class ParamLayout:
         if self._bytes is None:
             self._bytes = sum(p.numel() * p.element_size() for p in self.params)
         return self._bytes
-
-    @property
-    def sharded(self) -> bool:
-        """Whether some parameters are ``DTensor`` shards (FSDP2, tensor parallelism) or FSDP1's flat-parameter
-        shards: their statistics are then this rank's shard's (:func:`~stability.hooks.stats.local_shards`)."""
-        if self._sharded is None:
-            self._sharded = is_sharded(self.params)
-        return self._sharded
 
     def local_params(self) -> list[torch.Tensor]:
         """:attr:`params`, each ``DTensor`` as this rank's local shard (read each time: FSDP may re-create it)."""
@@ -140,8 +134,7 @@ def build_layout(roots: Sequence[torch.nn.Module], params: Iterable[torch.Tensor
     rest = [p for p in (wanted or []) if id(p) not in placed]
     if rest:
         _add_group(layout, OTHER, None, rest, placed)
-    if _fsdp1(roots):
-        layout._sharded = True
+    layout.sharded = _fsdp1(roots) or is_sharded(layout.params)
     return layout
 
 

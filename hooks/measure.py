@@ -76,7 +76,9 @@ class Measure:
         if not self.own_grad_norm and not layer_due:
             return
         device = device_of(layout)
-        grads = stats.local_shards([p.grad for p in layout.params] if given is None else given)
+        grads = [p.grad for p in layout.params] if given is None else given
+        if layout.sharded:
+            grads = stats.local_shards(grads)
         if norms is None:
             norms = stats.tensor_norms(grads, device)
         if given is None and self._stats_due(step) and not layout.sharded:
@@ -190,8 +192,9 @@ class Measure:
         adam = adam_state([optimizer, *co] if optimizer is not None else [], layout.params)
         if adam is not None:
             vs, beta2, steps = adam
-            vs, steps = stats.local_shards(vs), stats.local_shards(steps)
-            grads = stats.local_shards([p.grad for p in layout.params])
+            grads = [p.grad for p in layout.params]
+            if layout.sharded:
+                vs, steps, grads = stats.local_shards(vs), stats.local_shards(steps), stats.local_shards(grads)
             known = state.grad_norms
             if known is not None and known.holds_for(grads):  # no 2nd pass over them
                 g_sq, v_prev = stats.adam_lag(None, vs, beta2, steps, index, n, device, grad_norms=known.values)
