@@ -287,16 +287,26 @@ PARAM_SAMPLES = 100
 happened at the onset (weights are sampled every ``stats_every`` steps, 50 by default)."""
 
 
+PRECEDING_JUMP_BONUS = 0.05
+"""A weight jump sampled before an event of its incident explains the event a little more surely than the jump's
+own first cause explains the jump: the order is known, and the event (the gradient of a layer holding a 1e4 weight)
+is its consequence. Run-level priors such as "no warm-up" (0.8) must not outrank it."""
+
+
 def _weights_jumped_after(finding: Finding, jump: Finding, hints: _Hints, event: str) -> None:
     """A module's weights found jumped at the next sampled step after ``event``: what the jump's own ranking says
     (weights written outside the optimizer, or moved by an LR that jumped) explains the event, a little weaker
     (the jump happened somewhere between two samples)."""
     lag = jump.onset - finding.onset
+    first = jump.causes[0]
     if 0 <= lag <= PARAM_SAMPLES:
-        first = jump.causes[0]
         hints.add(first.cause, first.score - 0.05,
                   f"{first.evidence} ({plural(lag, 'step')} after the onset of {event}; weights are sampled every "
                   "stats_every steps, so the jump may be the onset's)", jump.signal)
+    elif -PRECURSOR_WINDOW <= lag < 0:
+        hints.add(first.cause, min(first.score + PRECEDING_JUMP_BONUS, 0.95),
+                  f"{first.evidence} ({plural(-lag, 'step')} before the onset of {event}, in the same incident: "
+                  "the event follows from the jumped weights)", jump.signal)
 
 
 def _symptom_of_lr(finding: Finding, history: History, hints: _Hints) -> float:
