@@ -307,12 +307,16 @@ def bare_loop(client: redis.Redis[bytes], runs: list[str], ranks: int, batch: in
 
 def findings_by_kind(client: redis.Redis[bytes],
                      runs: list[str]) -> tuple[dict[str, int], list[tuple[str, str, dict[str, Any]]]]:
-    """Counts of the findings per kind, and every finding as (run, stream id, finding)."""
+    """Counts of the findings per kind, and every finding as (run, stream id, finding); revisions of an alerted
+    diagnosis (``evidence["revised"]``) are counted apart (``revisions``), not as findings."""
     kinds: dict[str, int] = {}
     out = []
     for run in runs:
         for eid, fields in client.xrange(keys.findings(run)):
             finding = json.loads(fields[b"f"])
+            if (finding.get("evidence") or {}).get("revised"):
+                kinds["revisions"] = kinds.get("revisions", 0) + 1
+                continue
             kinds[finding["kind"]] = kinds.get(finding["kind"], 0) + 1
             out.append((run, _text(eid), finding))
     return kinds, out

@@ -40,7 +40,10 @@ rank that reports a step first is alerted with that step's cross-rank verdict (`
 detector; the cross-rank verdicts come from outside (:class:`Verdicts`, the run's cross-rank stage). A rank's
 warning/error findings are then held until the cross-rank stage has decided their step (at most
 ``verdict_wait_s`` seconds, at most ``max_held`` findings) and ranked with that step's verdict on the rank, exactly
-as above; :meth:`RunDiagnoser.release` releases what became decidable while no record arrived.
+as above; :meth:`RunDiagnoser.release` releases what became decidable while no record arrived. A finding whose
+wait ran out (a 16k-rank step takes the workers seconds to read) is alerted with its rank's own evidence and stays
+*provisional*: once its step is decided, a verdict against its rank ranks the incident's headline again with it,
+and a changed first cause is alerted again as a revision (``evidence["revised"]``), as for a one-record jump.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -147,8 +150,10 @@ class DiagnoserConfig:
     ranked with the cross-rank verdict of that step), at most until another rank is this many steps ahead."""
     max_held: int = 64
     """At most this many findings wait (the oldest is released first)."""
-    verdict_wait_s: float = 30.0
-    """Sharded runs: a held finding waits at most this long for the cross-rank stage's verdict on its step."""
+    verdict_wait_s: float = 1.0
+    """Sharded runs: a held finding waits at most this long for the cross-rank stage's verdict on its step, then
+    is alerted provisionally and revised if the verdict changes its diagnosis (a NaN must reach the operator within
+    ~2 s even when the workers need longer to read a 16k-rank step)."""
     rediagnose_steps: int = 100
     """A warning/error within this many steps (onset to onset) of a weaker earlier incident of the same rank, with a
     different first cause, re-diagnoses it (:meth:`RunDiagnoser._rediagnose`)."""
@@ -327,6 +332,9 @@ class RunDiagnoser:
         """Engine-level performance detectors (a straggler rank, a silent rank); a shard's see only its ranks."""
         self._held: list[tuple[int, Finding, float]] = []
         """(rank, finding, unix time held) waiting for the other ranks to report its step (see :meth:`_release`)."""
+        self._provisional: list[tuple[int, int]] = []
+        """(rank, step) of findings alerted before the cross-rank stage decided their step (sharded runs, after
+        ``verdict_wait_s``): the verdict, once decided, may revise their incident (:meth:`_settle`)."""
         self._revised: list[Finding] = []
         """Alerted incidents whose diagnosis changed since their alert (:meth:`_revise`), to alert again."""
         self.resumes: list[tuple[int, int, int]] = []
@@ -397,7 +405,8 @@ class RunDiagnoser:
     def oldest_held(self) -> int | None:
         """Step of the oldest finding held back for the other ranks' reports or the cross-rank verdict (None:
         none)."""
-        return min((finding.step for _, finding, _ in self._held), default=None)
+        return min([*(finding.step for _, finding, _ in self._held), *(step for _, step in self._provisional)],
+                   default=None)
 
     def release(self) -> list[Finding]:
         """Fuse and return the held findings that became decidable (a sharded run's shard calls this when the
@@ -429,8 +438,11 @@ class RunDiagnoser:
         reporting first, its own detectors fire before the cross-rank verdict of that step exists. With external
         verdicts (a shard) it is held until the cross-rank stage decided its step, at most ``verdict_wait_s``.
         """
+        if self._provisional:
+            self._settle(flush=flush)
+        alerts: list[Finding] = []
         if not self._held:
-            return []
+            return alerts
         cfg = self.config
         if self._verdicts is None:
             self._load_all()
@@ -443,7 +455,6 @@ class RunDiagnoser:
             wait_until = time.time() - cfg.verdict_wait_s
         waiting: set[int] = set()
         keep: list[tuple[int, Finding, float]] = []
-        alerts: list[Finding] = []
         over = len(self._held) - cfg.max_held
         for i, (rank, finding, since) in enumerate(self._held):
             serious = finding.severity in (Severity.WARNING, Severity.ERROR) and not finding.evidence.get("closes")
@@ -453,10 +464,31 @@ class RunDiagnoser:
             if hold:
                 waiting.add(rank)
                 keep.append((rank, finding, since))
-            else:
-                alerts += self._fuse(self._suite(rank), rank, [finding])
+                continue
+            if serious and not flush and finding.step > complete and self._verdicts is not None:
+                self._provisional = [*self._provisional, (rank, finding.step)][-cfg.max_held:]
+            alerts += self._fuse(self._suite(rank), rank, [finding])
         self._held = keep
         return alerts
+
+    def _settle(self, *, flush: bool) -> None:
+        """Provisional findings whose step the cross-rank stage has decided meanwhile: a verdict against the rank
+        at that step ranks its incident's headline again with it (a revision when the first cause changes).
+        ``flush`` (the end of the records) gives up on the ones still undecided."""
+        assert self._verdicts is not None
+        complete = self._verdicts.decided()
+        waiting: list[tuple[int, int]] = []
+        for rank, step in self._provisional:
+            if step > complete:
+                if not flush:
+                    waiting.append((rank, step))
+                continue
+            suspect = self._verdicts.suspect(rank, step)
+            incident = next((i for i in reversed(self._incidents)
+                             if i.rank == rank and any(f.step == step for f in i.findings)), None)
+            if suspect is not None and incident is not None:
+                self._rerank(self._suite(rank), incident, incident.headline, extra=[suspect])
+        self._provisional = waiting
 
     def _resume(self, rank: int, before: int, after: int) -> _RankSuite:
         """``rank`` went back from ``before`` to ``after``: fresh detectors and history, a new incident next."""
@@ -625,15 +657,16 @@ class RunDiagnoser:
         return dataclasses.replace(finding, evidence={**finding.evidence, "rediagnoses": float(earliest)})
 
     def _rerank(self, suite: _RankSuite, incident: Incident, head: Finding, *, reverted: bool = False,
-                only_stronger: bool = False) -> None:
+                only_stronger: bool = False, extra: Sequence[Finding] = ()) -> None:
         """Rank the headline again with a structural finding that joined later (one incident, all evidence), or,
         with ``reverted``, as the one-record jump it turned out to be (:func:`_one_record_jump`). ``only_stronger``
         (a weight jump seen at a later sample): the new ranking replaces the headline's only if its first cause
         scores higher (rules that read the records right after the onset, such as the runaway rule, cannot speak
-        again 20-50 steps later)."""
+        again 20-50 steps later). ``extra``: evidence that is not one of the incident's findings (a cross-rank
+        verdict decided after a provisional alert)."""
         if reverted:
             head = dataclasses.replace(head, evidence={**head.evidence, "reverted": 1.0})
-        ranking = rank_causes(head, suite.history, incident.findings, oddity=self._oddity)
+        ranking = rank_causes(head, suite.history, [*incident.findings, *extra], oddity=self._oddity)
         if only_stronger and head.causes and (not ranking.causes or ranking.causes[0].score <= head.causes[0].score):
             return
         index = next(i for i, f in enumerate(incident.findings) if f is incident.headline)
@@ -710,6 +743,7 @@ class RunDiagnoser:
             "fleet": {d.name: d.state_dict() for d in self._fleet},
             "held": [[rank, f.to_dict()] for rank, f, _ in self._held],
             "held_since": [since for _, _, since in self._held],
+            "provisional": [list(p) for p in self._provisional],
         }
 
     def _load_run_state(self, state: dict[str, Any], fetch: RankFetch | None) -> None:
@@ -718,6 +752,7 @@ class RunDiagnoser:
         held = state.get("held", [])
         since = state.get("held_since") or [time.time()] * len(held)
         self._held = [(int(rank), Finding.from_dict(f), float(t)) for (rank, f), t in zip(held, since, strict=True)]
+        self._provisional = [(int(rank), int(step)) for rank, step in state.get("provisional", [])]
         self._crossrank = CrossRankDetector(self.config.crossrank)
         if "crossrank" in state:
             self._crossrank.load_state_dict(state["crossrank"])

@@ -166,8 +166,9 @@ class _FindingsWatcher(threading.Thread):
         colour = {"error": "red", "warning": "yellow"}.get(finding["severity"], "blue")
         cause = finding["causes"][0] if finding.get("causes") else None
         hint = f" — likely [bold]{cause['cause']}[/]: {cause['evidence']}" if cause else ""
+        label = "UPDATE" if (finding.get("evidence") or {}).get("revised") else "ALERT"
         self.console.print(
-            f"[{colour}]ALERT {finding['severity'].upper()}[/] {finding['kind']} at step {finding['step']}"
+            f"[{colour}]{label} {finding['severity'].upper()}[/] {finding['kind']} at step {finding['step']}"
             f" (rank {finding.get('rank', 0)}{' on ' + finding['host'] if finding.get('host') else ''}):"
             f" {finding['message']}{hint}"
         )

@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from stability import keys
+from stability.detectors.engine import DiagnoserConfig
 from stability.embedded import RedisServer
 from stability.records import StepRecord, encode
 from stability.worker import crossrank_stage, drain
@@ -35,6 +36,9 @@ FAULTY = 5
 """Its post-reduce grad norm leaves the others' from FAULT_STEP on (a bad GPU)."""
 FAULT_STEP = 40
 NAN_RANK, NAN_STEP = 2, 60
+HOLD = DiagnoserConfig(verdict_wait_s=600.0)
+"""Held findings wait for the cross-rank verdict however slow the machine (the default waits 1 s, then alerts
+provisionally: see the provisional test)."""
 
 
 def record(run: str, rank: int, step: int) -> StepRecord:
@@ -69,7 +73,8 @@ def alerted(client: Any, run: str) -> set[tuple[int, str, int, str]]:
     return {(f["rank"], f["kind"], f["step"], f["severity"]) for f in findings(client, run)}
 
 
-def drain_sharded(client: Any, run: str, size: int, order: list[int | str], *, batch: int = 16) -> int:
+def drain_sharded(client: Any, run: str, size: int, order: list[int | str], *, batch: int = 16,
+                  config: DiagnoserConfig | None = HOLD) -> int:
     """Drain a sharded run in-process, shards and cross-rank stage in ``order`` each round; return the rounds."""
     sinks = [RedisFindingsSink(client)]
     policy = SnapshotPolicy(every_s=0.0)
@@ -79,7 +84,7 @@ def drain_sharded(client: Any, run: str, size: int, order: list[int | str], *, b
                 CrossRankStage(client, run, size, sinks=sinks, snapshot=policy, read_count=3).run()
             else:
                 assert isinstance(unit, int)
-                ShardDrainer(client, run, unit, size, sinks=sinks, batch=batch, snapshot=policy).run()
+                ShardDrainer(client, run, unit, size, sinks=sinks, batch=batch, snapshot=policy, config=config).run()
         if client.hexists(keys.meta(run), "drained"):
             return rounds
     raise AssertionError("the sharded run was not drained")
@@ -145,14 +150,14 @@ def test_the_stage_hands_a_held_shard_over_when_it_decides_the_step(redis_client
     sinks = [RedisFindingsSink(redis_client)]
     released: list[int] = []
     leased: list[int] = []
-    nan_shard = ShardDrainer(redis_client, "rel", 0, 4, sinks=sinks, on_lease=lambda: leased.append(0))
+    nan_shard = ShardDrainer(redis_client, "rel", 0, 4, sinks=sinks, on_lease=lambda: leased.append(0), config=HOLD)
     nan_shard.run()
     held = redis_client.hget(keys.summary_pos("rel", 0), "held")
     assert held is not None and int(held) <= NAN_STEP and leased == [0]
     assert "nan" not in {f["kind"] for f in findings(redis_client, "rel")}
     CrossRankStage(redis_client, "rel", 4, sinks=sinks, on_release=released.extend).run()
     assert released == []  # shard 1 has not summarized its ranks: nothing decided yet
-    ShardDrainer(redis_client, "rel", 1, 4, sinks=sinks).run()
+    ShardDrainer(redis_client, "rel", 1, 4, sinks=sinks, config=HOLD).run()
     CrossRankStage(redis_client, "rel", 4, sinks=sinks, on_release=released.extend).run()
     assert 0 in released
     nan_shard.run()
@@ -160,6 +165,46 @@ def test_the_stage_hands_a_held_shard_over_when_it_decides_the_step(redis_client
     assert (nan["rank"], nan["step"]) == (NAN_RANK, NAN_STEP)
     assert [c["cause"] for c in nan["causes"]] == ["numerical_nan", "hardware_fault"]
     assert redis_client.hget(keys.summary_pos("rel", 0), "held") is None
+
+
+def test_a_finding_whose_verdict_is_late_is_alerted_at_once_and_revised_by_the_verdict(
+        redis_client: Any, fresh_process_state: None) -> None:
+    """With no time to wait for the cross-rank verdict (``verdict_wait_s=0``; by default 1 s, for a 16k-rank step
+    the workers read for seconds), a shard alerts its ranks' findings at once, ranked with their own evidence, and
+    keeps their steps marked (``held``). Once the cross-rank stage decided the steps, the shard's next drain ranks
+    the incidents again with the verdicts: the faulty rank's gradient explosion, first alerted as a warm-up problem,
+    is alerted again (``evidence["revised"]``) as ``hardware_fault``, once, through the real findings sink; the NaN
+    keeps its first cause (the verdict only adds ``hardware_fault`` behind it, so no second alert)."""
+    import dataclasses
+
+    run, now = "late", DiagnoserConfig(verdict_wait_s=0.0)
+    redis_client.sadd(keys.ranks(run), *range(RANKS))
+    for step in range(STEPS):
+        for rank in range(RANKS):
+            rec = record(run, rank, step)
+            if rank == FAULTY and step >= FAULT_STEP:  # 50x the others' norm: the rank's own detector fires too
+                rec = dataclasses.replace(rec, signals={**rec.signals, "grad_norm": rec.signals["grad_norm"] * 20})
+            redis_client.xadd(keys.records(run, rank), {"r": encode(rec)}, id=f"{1_000_000 + step}-{step}")
+    redis_client.hset(keys.meta(run), "shard_size", "4")
+    sinks = [RedisFindingsSink(redis_client)]
+    for shard in (0, 1):
+        ShardDrainer(redis_client, run, shard, 4, sinks=sinks, config=now).run()
+    first = {f["kind"]: f for f in findings(redis_client, run)}
+    assert set(first) == {"nan", "grad_explosion"}  # alerted before any verdict exists
+    explosion = first["grad_explosion"]
+    assert explosion["rank"] == FAULTY and FAULT_STEP <= explosion["step"] <= FAULT_STEP + 2
+    assert "hardware_fault" not in {c["cause"] for c in explosion["causes"]}
+    assert [c["cause"] for c in first["nan"]["causes"]] == ["numerical_nan"]
+    marks = [redis_client.hget(keys.summary_pos(run, s), "held") for s in (0, 1)]
+    assert marks == [str(NAN_STEP).encode(), str(explosion["step"]).encode()]
+    CrossRankStage(redis_client, run, 4, sinks=sinks).run()
+    for _ in range(2):  # the second pass re-delivers nothing new: the revision is in the stream once
+        for shard in (0, 1):
+            ShardDrainer(redis_client, run, shard, 4, sinks=sinks, config=now).run()
+    revisions = [f for f in findings(redis_client, run) if f["evidence"].get("revised")]
+    assert [(f["rank"], f["kind"], f["step"]) for f in revisions] == [(FAULTY, "grad_explosion", explosion["step"])]
+    assert revisions[0]["causes"][0]["cause"] == "hardware_fault"
+    assert [redis_client.hget(keys.summary_pos(run, s), "held") for s in (0, 1)] == [None, None]
 
 
 def test_cross_rank_stage_killed_before_its_commit_repeats_nothing(redis_client: Any,

@@ -177,3 +177,19 @@ def test_the_findings_own_signal_is_charted_even_when_the_run_ends_inside_its_wi
     assert diag[10]["diag/grad_norm/h.1.attn"] == 10.5 and diag[10]["diag/loss"] == 2.0
     visualize = [k for k in wandb_files.config(path) if k.startswith("_wandb/visualize/")]
     assert visualize == ["_wandb/visualize/incidents/grad_explosion_step13_rank1"]
+
+
+def test_a_revised_diagnosis_is_alerted_again_once(offline_wandb: Path) -> None:
+    """A revision (the engine's ``evidence["revised"]``: the first cause changed after the alert, e.g. a cross-rank
+    verdict that came after a provisional alert) gets a row and an alert titled "(revised)"; the same revision
+    delivered again (a re-processed batch) adds nothing."""
+    sink = WandbSink(lambda run_id: {"run_dir": str(offline_wandb), "wandb_project": "stab-test"})
+    hardware = CauseHint(cause="hardware_fault", score=0.9, evidence="rank 0 disagrees with its replicas")
+    revision = replace(SPIKE, causes=(hardware, *SPIKE.causes), evidence={"revised": 1.0})
+    sink.emit("r5", [SPIKE], entries("r5", range(10, 20)))
+    sink.emit("r5", [revision, revision, SPIKE], entries("r5", range(20, 30)))
+    sink.close("r5")
+    path = wandb_files.finished_run_file(offline_wandb)
+    alerts = wandb_files.alerts(path)
+    assert [a["title"] for a in alerts] == ["loss_spike at step 15", "loss_spike at step 15 (revised)"]
+    assert alerts[1]["text"].startswith("Revised diagnosis") and "hardware_fault (0.90)" in alerts[1]["text"]

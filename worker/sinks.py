@@ -88,8 +88,13 @@ class Sink(Protocol):
 
 
 def finding_key(finding: Finding) -> str:
-    """The dedupe key of a finding: ``"<rank>:<kind>:<step>"``."""
-    return f"{finding.rank}:{finding.kind}:{finding.step}"
+    """The dedupe key of a finding: ``"<rank>:<kind>:<step>"``; a revision of an alerted diagnosis
+    (``evidence["revised"]``) adds what it says (``":revised:<first cause>:<severity>"``), so it reaches the stream
+    once, after the alert it corrects."""
+    key = f"{finding.rank}:{finding.kind}:{finding.step}"
+    if finding.evidence.get("revised"):
+        key += f":revised:{finding.causes[0].cause if finding.causes else '-'}:{finding.severity.value}"
+    return key
 
 
 def redis_meta(client: redis.Redis[bytes]) -> MetaLookup:

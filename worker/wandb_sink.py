@@ -11,7 +11,9 @@ Per finding (deduplicated by ``(rank, kind, step)``):
   :data:`TABLE_COLUMNS`: step, rank, kind, severity, top cause, top three causes with scores, score, evidence,
   remedy, rollback step, batches to skip;
 * for severity >= warning, ``run.alert(...)`` (title ``"<kind> at step <step>"``, level WARN/ERROR,
-  ``wait_duration=300`` s so W&B itself also throttles repeats of one title);
+  ``wait_duration=300`` s so W&B itself also throttles repeats of one title); a revision of an alerted diagnosis
+  (``evidence["revised"]``: its first cause or severity changed, e.g. a cross-rank verdict that came after a
+  provisional alert) adds a row and an alert titled ``"<kind> at step <step> (revised)"``;
 * for incidents, the detector signals of the rank for the steps within ``window`` of the incident: ``diag/loss``,
   ``diag/grad_norm`` and ``diag/<the finding's signal>`` (e.g. ``diag/grad_norm/h.1.attn``), logged against the
   custom step metric ``diag/step`` (so out-of-order steps are accepted), and, once the window is complete (or the
@@ -179,13 +181,16 @@ class WandbSink:
             state.seen.add(finding_key(f))
             new += 1
             state.table.add_data(*_row(f))
-            if f.severity.rank >= Severity.WARNING.rank:
+            revised = bool(f.evidence.get("revised"))
+            if revised or f.severity.rank >= Severity.WARNING.rank:
                 state.run.alert(
-                    title=f"{f.kind} at step {f.step}"[:64],
-                    text=_alert_text(f),
+                    title=f"{f.kind} at step {f.step}{' (revised)' if revised else ''}"[:64],
+                    text=("Revised diagnosis\n" if revised else "") + _alert_text(f),
                     level="ERROR" if f.severity is Severity.ERROR else "WARN",
                     wait_duration=ALERT_WAIT_S,
                 )
+                if revised:
+                    continue  # its window was opened by the alert it corrects
                 window = _Window(f.rank, f.step - self._window, f.step + self._window, f.kind, f.step, f.signal)
                 state.windows.append(window)
                 self._log_range(state, window, points)
