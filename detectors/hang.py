@@ -10,7 +10,8 @@ Engine-level (all ranks), two sources:
   ``window`` ``step_time`` values), and at least ``min_s`` (5), behind the record of another rank at least two
   steps further -> ``hang`` ERROR on the silent rank, naming it, its host and its last step.
 
-Only ranks whose records carry ``step_time`` (the timing hooks) are watched, so older corpora raise nothing. One
+Only ranks whose records carry ``step_time`` (the timing hooks) are watched, so older corpora raise nothing; forked
+Hogwild processes (coordinate ``fork``) only through their own watchdog (each ends when its own loop does). One
 finding per rank and last step; a rank that reports again is re-armed.
 """
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stability.detectors.base import Finding, Severity
-from stability.records import StepRecord
+from stability.records import FORK, StepRecord
 
 __all__ = ["HangConfig", "HangDetector"]
 
@@ -62,7 +63,7 @@ class HangDetector:
         if hang_s is not None:
             return self._watchdog(record, hang_s)
         step_time = record.signals.get("step_time")
-        if step_time is None:
+        if step_time is None or record.coords.get(FORK):  # a Hogwild process may end before the others
             return []
         state = self._ranks.get(record.rank)
         if state is None:

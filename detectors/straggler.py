@@ -3,7 +3,8 @@
 Engine-level (all ranks). In data-parallel training the gradient all-reduce makes every rank's wall step time
 equal to the slowest one's, so the comparison uses what each rank did *before* its first collective: ``work`` =
 ``data_time`` + ``compute_time`` (:mod:`stability.hooks.timing`; NVIDIA resiliency-ext's straggler detector times
-sections the same way). Records without them are ignored, so the detector is silent on every older corpus.
+sections the same way). Records without them are ignored, so the detector is silent on every older corpus; so
+are the records of forked Hogwild processes (coordinate ``fork``: no collective, nobody waits for them).
 
 Per step, once every known rank reported it (or the newest step is ``lag`` (64) steps ahead), each rank's score is
 ``work / median(work of the other ranks)``. A rank is a straggler when, over its last ``window`` (24) scored steps,
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from stability.detectors.base import Finding, Severity
-from stability.records import StepRecord
+from stability.records import FORK, StepRecord
 
 __all__ = ["StragglerConfig", "StragglerDetector"]
 
@@ -70,7 +71,7 @@ class StragglerDetector:
 
     def update(self, record: StepRecord) -> list[Finding]:
         work = _work(record)
-        if work is None:
+        if work is None or record.coords.get(FORK):  # Hogwild processes wait for no one
             return []
         rank = record.rank
         self._hosts[rank] = record.host or self._hosts.get(rank, "")

@@ -57,8 +57,9 @@ own losses while the tracked one does not starts a new phase (:meth:`Capture._ne
 (:meth:`Capture._closure_step`). Global module forward hooks (:mod:`stability.hooks.discovery`), active only until
 that first step, note the outermost modules that ran forward, and those holding the optimizer's parameters are the
 model (a ``torch.compile`` wrapper's ``_orig_mod.`` prefix is dropped from names). In auto mode the first step
-therefore has no activation statistics. In a forked child (Hogwild) the capture is off. Explicit mode registers
-hooks on the given objects only.
+therefore has no activation statistics. In a forked child the capture is off until the child trains (Hogwild:
+forked processes train a shared model); then, with the session's sink, the child is recorded as a rank of its own
+(:meth:`Capture._adopt_fork`). Explicit mode registers hooks on the given objects only.
 
 Hot path: hooks never read a device value on the host. Statistics are computed on the device with fused ops
 (:mod:`stability.hooks.stats`) and copied to the host once per step without blocking
@@ -129,7 +130,7 @@ from stability.hooks.schedules import every
 from stability.hooks.staging import Reader, RecordSink, StagedStep, stage
 from stability.hooks.step_state import StepState, forward_tail, observed_win
 from stability.hooks.timing import Performance
-from stability.records import MAX_ID_CHARS, MAX_NAME_CHARS, SHARDED
+from stability.records import FORK, MAX_ID_CHARS, MAX_NAME_CHARS, SHARDED
 
 __all__ = ["MAX_ERRORS", "PENDING_LIMIT", "Capture", "RecordSink", "hook_scope", "in_hook"]
 
@@ -172,11 +173,56 @@ def _is_compiling() -> bool:
     return _COMPILE_CHECK is not None and bool(_COMPILE_CHECK())
 
 
+def _before_fork(ref: weakref.ref[Capture]) -> None:
+    """``os.fork`` in the capturing process: count it (the child's ordinal) and, when the sink can serve forked
+    children, start its session now: a Hogwild child connects to the Redis this process's session publishes."""
+    capture = ref()
+    if capture is None or not capture._live():
+        return
+    capture._forks += 1
+    prepare = getattr(capture._sink, "prepare_fork", None)
+    if callable(prepare) and hasattr(capture._sink, "fork_child"):
+        try:
+            prepare()
+        except Exception as exc:  # a fork must never fail because of us
+            logger.info("stability: could not start the session before a fork (%s: %s)", type(exc).__name__, exc)
+
+
 def _forked_child(ref: weakref.ref[Capture]) -> None:
-    """``os.fork`` child: the capture's reader, watchdog and session threads are gone, so it turns off there."""
+    """``os.fork`` child: the capture's reader, watchdog and session threads are gone, so it turns off there until
+    the child trains (:meth:`Capture._adopt_fork`: a Hogwild child is recorded as a rank of its own)."""
     capture = ref()
     if capture is not None and capture._live():
         capture._forked, capture._disabled = True, True
+        capture._fork_ordinal = capture._forks
+
+
+FORK_EXIT_FLUSH_S = 5.0
+"""At a recorded forked child's exit, its records get at most this long to reach Redis ..."""
+FORK_OPEN_WAIT_S = 60.0
+"""... once its session is open, which it waits for at most this long (a child that ends while the parent's
+embedded Redis is still starting must not lose its records)."""
+
+
+def _close_at_child_exit(capture: Capture) -> None:
+    """Flush a recorded forked child's records when it exits: a ``multiprocessing`` child ends with ``os._exit``
+    after running its finalizers (atexit is skipped there); a bare ``os.fork`` child that returns runs atexit."""
+    import atexit
+    import multiprocessing.util
+
+    done = threading.Event()
+
+    def close() -> None:
+        if not done.is_set():
+            done.set()
+            try:
+                capture._close_forked(FORK_EXIT_FLUSH_S, FORK_OPEN_WAIT_S)
+            except Exception as exc:  # never keep the child alive because the close failed
+                logger.warning("stability: close of forked child %d failed (%s: %s)", os.getpid(),
+                               type(exc).__name__, exc)
+
+    multiprocessing.util.Finalize(None, close, exitpriority=100)
+    atexit.register(close)
 
 
 def _hook(method: Callable[Concatenate[Capture, _P], None]) -> Callable[Concatenate[Capture, _P], None]:
@@ -185,8 +231,9 @@ def _hook(method: Callable[Concatenate[Capture, _P], None]) -> Callable[Concaten
     def guarded(self: Capture, /, *args: _P.args, **kwargs: _P.kwargs) -> None:
         if not self._live() or _is_compiling():
             if self._forked and not self._fork_said:
-                self._say_forked()
-            return
+                self._adopt_fork()
+            if not self._live() or _is_compiling():
+                return
         previous = in_hook()
         _hook_state.active = True
         try:
@@ -251,8 +298,11 @@ class Capture:
         self._rediscover = False
         """After a new phase's first step the layout is built again, once the forward hooks saw its model."""
         self._forked = False
-        """This is a forked child of the process that attached (the capture is off in it)."""
+        """This is a forked child of the process that attached (the capture is off in it until it trains)."""
         self._fork_said = False
+        self._forks = 0
+        """``os.fork`` calls made by this process since attach (a forked child's ordinal is the count at its fork)."""
+        self._fork_ordinal = 0
         self._meta: tuple[int, dict[str, int], str] | None = None
         self._framework: str | None = None
         self._drive_steps = False
@@ -305,7 +355,7 @@ class Capture:
         self._attached = True
         if hasattr(os, "register_at_fork"):
             me = weakref.ref(self)
-            os.register_at_fork(after_in_child=lambda: _forked_child(me))
+            os.register_at_fork(before=lambda: _before_fork(me), after_in_child=lambda: _forked_child(me))
         self._follow.start(optimizer)
         if optimizer is None:
             self._handles.append(register_optimizer_step_pre_hook(self._step_pre_hook))
@@ -719,8 +769,47 @@ class Capture:
 
     # -------------------------------------------------------------------------------------------- step logic
 
+    def _adopt_fork(self) -> None:
+        """The first hook in a forked child (Hogwild: it trains; a DataLoader worker never reaches a hook). With a
+        sink that serves forked children (:meth:`stability.session.LazySession.fork_child`) the child is recorded
+        as a rank of its own, ``rank + world * ordinal`` with the coordinate ``fork=<ordinal>`` (its own cross-rank
+        group: Hogwild processes are not replicas, their gradients differ by design), through its own reader and
+        emitter, flushed when the child exits. Otherwise the capture stays off and says so once."""
+        self._fork_said = True
+        make = getattr(self._sink, "fork_child", None)
+        if make is None or self._errors >= MAX_ERRORS:
+            self._say_forked()
+            return
+        try:
+            rank, coords, _host = self._metadata()
+            ordinal = max(1, self._fork_ordinal)
+            rank += max(1, coords.get("world_size", 1)) * ordinal
+            sink = make(rank)
+        except Exception as exc:
+            self._record_error(exc, "_adopt_fork")
+            self._say_forked()
+            return
+        self._sink = sink
+        self._rank_arg = rank
+        self._coords_arg[FORK] = ordinal
+        self._meta = None
+        self._reader = Reader(sink, self._record_error, PENDING_LIMIT)
+        self._disabled = False
+        self._forked = False
+        _close_at_child_exit(self)
+        logger.info("stability: process %d, forked from the captured process (Hogwild), is recorded as rank %d",
+                    os.getpid(), rank)
+
+    def _close_forked(self, flush_s: float, open_s: float) -> None:
+        """Exit of a forked child that was recorded: its records reach Redis (``flush_s`` once its session is
+        open, which takes at most ``open_s``); the run's end is the parent's to record."""
+        self.close(timeout=flush_s)
+        close = getattr(self._sink, "close", None)
+        if callable(close):
+            close(timeout=open_s, wait_drained=False, flush_s=flush_s)
+
     def _say_forked(self) -> None:
-        """Once, in a forked child that trains (a DataLoader worker never reaches a hook)."""
+        """Once, in a forked child that trains but cannot be recorded (its sink serves no forked children)."""
         self._fork_said = True
         logger.warning("stability: process %d, forked from the captured process, trains but is not captured: the "
                        "capture's threads do not survive fork (Hogwild-style training); only the parent's steps "

@@ -81,7 +81,7 @@ logger = logging.getLogger(__name__)
 
 _META_COLUMNS = ("rank", "run_id", "batch", "host")
 _MEGATRON_FIELDS = ("consumed_samples", "skipped_iters")
-_ARCHIVE_META = ("run_id", "rank", "step", "wall_time", "host", "batch", "entry_id")
+_ARCHIVE_META = ("run_id", "rank", "step", "wall_time", "host", "batch", "entry_id", "coords")
 RUN_META_FILE = "run.json"
 """Run metadata the training side writes into the run directory (see :mod:`stability.session`)."""
 
@@ -354,8 +354,19 @@ def _table_records(table: Any, file: Path) -> Iterable[StepRecord]:
         signals = {n: float(columns[n][i]) for n in signal_names if columns[n][i] is not None}
         out.append(StepRecord(run_id=str(meta("run_id", fallback)), step=int(step), rank=int(meta("rank", 0)),
                               wall_time=float(meta("wall_time", 0.0)), host=str(meta("host", "")),
-                              batch=meta("batch", None), signals=signals))
+                              batch=meta("batch", None), signals=signals, coords=_coords(meta("coords", None))))
     return out
+
+
+def _coords(text: str | None) -> dict[str, int]:
+    """An archive row's ``coords`` (compact JSON of name -> int; archives written before it have none)."""
+    if not text:
+        return {}
+    try:
+        data = json.loads(text)
+        return {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
+    except (ValueError, TypeError):
+        return {}
 
 
 def _read_spool(file: Path) -> list[StepRecord]:

@@ -32,6 +32,7 @@ from stability.errors import RecordError
 
 __all__ = [
     "FORMAT_VERSION",
+    "FORK",
     "SHARDED",
     "MAX_RECORD_BYTES",
     "MAX_SIGNALS",
@@ -129,6 +130,11 @@ def check_run_id(run_id: object) -> str:
         )
     return run_id
 
+
+FORK = "fork"
+"""Coordinate of a forked child's records (Hogwild: processes forked from the captured one train a shared model,
+each recorded as a rank of its own, ``fork`` = its ordinal): such ranks are not replicas and never wait for each
+other, so the cross-rank comparison puts each in its own group and the straggler and silence rules leave them out."""
 
 SHARDED = "sharded"
 """Coordinate set to 1 on records whose gradient, parameter and optimizer-state statistics are those of the rank's

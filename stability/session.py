@@ -103,11 +103,17 @@ class Session:
     """The local supervisor owning the embedded redis-server and local worker (local rank 0 only)."""
     local_worker: bool = False
     reporter: ConsoleReporter | None = None
+    forked: bool = False
+    """A forked child's session (Hogwild, :meth:`LazySession.fork_child`): it only emits; the parent owns Redis,
+    the worker and the run's end."""
 
     @classmethod
-    def open(cls, config: WatchConfig) -> Session:
-        """Start (or connect to) Redis and the local worker, and return a session with a running emitter."""
+    def open(cls, config: WatchConfig, *, fork_rank: int | None = None) -> Session:
+        """Start (or connect to) Redis and the local worker, and return a session with a running emitter.
+        ``fork_rank``: a forked child's own rank; it connects to the Redis its parent's session publishes."""
         rank, local_rank, world = rank_from_env()
+        if fork_rank is not None:
+            rank, local_rank = fork_rank, -1  # like a second local rank: no server, no worker, no console
         run_dir = make_private_dir(config.resolved_run_dir.resolve())
         supervisor = None
         if config.redis_url is not None:
@@ -128,7 +134,7 @@ class Session:
                 url = _wait_for_url(run_dir / "redis" / URL_FILE)
         local_worker = supervisor is not None and config.local_worker and config.redis_url is None
         meta = _run_meta(config, run_dir)
-        if rank == 0:
+        if rank == 0 and fork_rank is None:
             _write_run_json(run_dir, config, meta, world)
         _record_status(url, config.run_id, runstate.RUNNING, run_dir=run_dir if local_rank == 0 else None)
         reporter = None
@@ -147,7 +153,7 @@ class Session:
         )
         log.info("stability: run %s, rank %d, records -> %s, run dir %s", config.run_id, rank, url, run_dir)
         return cls(config=config, run_dir=run_dir, redis_url=url, emitter=emitter, rank=rank, supervisor=supervisor,
-                   local_worker=local_worker, reporter=reporter)
+                   local_worker=local_worker, reporter=reporter, forked=fork_rank is not None)
 
     def close(self, timeout: float = DRAIN_WAIT_S, *, died: str | None = None, wait_drained: bool = True,
               flush_s: float | None = None) -> None:
@@ -159,6 +165,9 @@ class Session:
         seconds, record the end, print the summary line and return; the local supervisor sees this process go,
         lets the worker finish the run (findings.json, report.html) and then stops it and redis-server.
         """
+        if self.forked:  # the rank's end (``ended:<rank>``) is the emitter's; the run's is the parent's
+            self.emitter.close(timeout=min(timeout, EXIT_FLUSH_S if flush_s is None else flush_s))
+            return
         if not wait_drained:
             self.emitter.close(timeout=min(timeout, EXIT_FLUSH_S if flush_s is None else flush_s))
             offline = not self.emitter.reachable  # Redis down or hung: the records are spooled, do not wait on it
@@ -262,8 +271,9 @@ class LazySession:
     If the session cannot be opened, the failure is logged once and records are dropped from then on.
     """
 
-    def __init__(self, config: WatchConfig) -> None:
+    def __init__(self, config: WatchConfig, *, fork_rank: int | None = None) -> None:
         self.config = config
+        self._fork_rank = fork_rank
         self._lock = threading.Lock()
         self._buffer: collections.deque[StepRecord] = collections.deque()
         self._session: Session | None = None
@@ -299,6 +309,23 @@ class LazySession:
                 return True
         return session.emitter.put(record)
 
+    def prepare_fork(self) -> None:
+        """Called right before ``os.fork`` while capturing: import what a forked child's session needs (here, in
+        the forking thread: a child must not inherit a module lock held by another thread mid-import), then start
+        this process's session without waiting (a Hogwild child connects to the Redis it publishes)."""
+        import redis  # noqa: F401
+
+        from stability import runstate  # noqa: F401
+        from stability.console import ConsoleReporter  # noqa: F401
+        from stability.transport import Emitter  # noqa: F401
+
+        self.start()
+
+    def fork_child(self, rank: int) -> LazySession:
+        """The sink of a forked child that trains (Hogwild), recorded as ``rank``: a session of its own that
+        connects to the Redis this process's session publishes (:meth:`Session.open` with ``fork_rank``)."""
+        return LazySession(self.config, fork_rank=rank)
+
     def start(self) -> None:
         """Start opening the session now (without waiting for a record)."""
         with self._lock:
@@ -318,7 +345,7 @@ class LazySession:
 
     def _open(self) -> None:
         try:
-            session = Session.open(self.config)
+            session = Session.open(self.config, fork_rank=self._fork_rank)
         except Exception as exc:
             log.warning("stability: could not start the session, records are dropped (%s: %s)",
                         type(exc).__name__, exc)

@@ -224,6 +224,8 @@ def _table_per_value(run_id: str, batch: list[Entry]) -> Any:
         "host": pa.array([r.host for r in recs], pa.string()),
         "batch": pa.array([r.batch for r in recs], pa.string()),
         "entry_id": pa.array([e.entry_id for e in batch], pa.string()),
+        "coords": pa.array([json.dumps(dict(sorted(r.coords.items())), separators=(",", ":")) if r.coords else None
+                            for r in recs], pa.string()),
     }
     for name in sorted({name for r in recs for name in r.signals}):
         column = f"signal:{name}" if name in columns else name
@@ -280,3 +282,23 @@ def test_the_sorted_ids_shortcut_agrees_with_the_row_by_row_order(ids: list[str 
     if increasing:  # then the row-by-row de-duplication and sort would keep every row in place
         table = pa.table({"entry_id": pa.array(ids, pa.string()), "step": pa.array(range(len(ids)), pa.int64())})
         assert table_rows_by_entry([table]).column("step").to_pylist() == list(range(len(ids)))
+
+
+def test_parallel_coordinates_survive_the_archive_live_and_rolled(run_dir: Path) -> None:
+    """The post-mortem's cross-rank comparison groups ranks by their coordinates as the worker did: pipeline stages
+    (or Hogwild processes) must not be compared as replicas after the archive. Before: the archive kept no
+    coordinates, so a post-mortem of a pipeline-parallel run compared the stages' gradient norms."""
+    import dataclasses
+
+    def staged(steps: range, rank: int) -> list[Entry]:
+        return [dataclasses.replace(e, record=dataclasses.replace(e.record, coords={"pp": rank, "tp": 0}))
+                for e in entries(steps, rank)]
+
+    sink = sink_for(run_dir)
+    sink.emit(RUN, [], staged(range(0, 5), 0) + staged(range(0, 5), 1) + entries(range(0, 5), 2))
+    live = postmortem.load_run_dir(run_dir)  # from the open tails
+    sink.close(RUN)
+    rolled = postmortem.load_run_dir(run_dir)  # from the Parquet segments
+    for records in (live, rolled):
+        assert {(r.rank, tuple(sorted(r.coords.items()))) for r in records} == {
+            (0, (("pp", 0), ("tp", 0))), (1, (("pp", 1), ("tp", 0))), (2, ())}

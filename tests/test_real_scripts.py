@@ -21,6 +21,8 @@ be found with the right kind at the step they were injected.
   a wild, heavy-tailed loss (0.008-2.5 between batches) and update ratios that follow the gradient.
 * ``forward_forward.py`` (pytorch/examples mnist_forward_forward): one Adam per layer, layers trained one after
   the other: the second layer's optimizer becomes the tracked one (a new phase), faults in that phase are found.
+* ``mnist_hogwild.py`` (pytorch/examples mnist_hogwild): the parent forks two processes that train one shared
+  model (each its own SGD), then only tests it: each child is recorded as a rank of its own (``fork`` coordinate).
 * ``mnist.py`` (pytorch/examples mnist): a CNN with dropout, ``Adadelta(lr=1.0)``, ``StepLR`` stepped per epoch
   (the LR drops 0.7x every 50 steps), and a training loss that reaches 1e-3-1e-2 where single batches lift it
   10x: the heavy-tailed regime a clean run must not alarm on.
@@ -222,6 +224,44 @@ def test_mnist_fault_is_found(tmp_path: Path, fault: str) -> None:
     assert [e for e in run.serious() if e["kind"] == kind and MNIST.fault_step <= e["onset"] <= MNIST.fault_step
             + slack], run.events  # the right kind at the right step, whatever the cause
     _assert_found(run, MNIST, fault)
+
+
+# ------------------------------------------------ pytorch/examples mnist_hogwild (forked processes, no parent step)
+
+HOGWILD = Script("mnist_hogwild.py", 120)
+HOGWILD_RANKS = {1: 1, 2: 2}
+"""Rank of each forked process's records -> its ``fork`` coordinate (the parent, rank 0, never trains); the
+fault is injected in the script's process 1, the second fork: rank 2."""
+
+
+def test_mnist_hogwild_processes_are_recorded_as_ranks_of_their_own_and_a_clean_run_raises_nothing(
+        tmp_path: Path) -> None:
+    """Before: the parent never trains and the forked children were not captured, so the run had no record at all."""
+    run = _run(tmp_path, HOGWILD, "none")
+    by_rank: dict[int, list[StepRecord]] = {}
+    for record in run.records:
+        by_rank.setdefault(record.rank, []).append(record)
+    assert sorted(by_rank) == sorted(HOGWILD_RANKS), run.proc.stderr[-3000:]
+    for rank, records in by_rank.items():
+        assert [r.step for r in records] == list(range(HOGWILD.steps)), rank
+        assert all(r.coords.get("fork") == HOGWILD_RANKS[rank] for r in records)  # kept by the archive
+        assert all("loss" in r.signals and "grad_norm/fc1" in r.signals for r in records)
+    assert _stability_warnings(run.proc.stderr) == []
+    assert run.serious() == [], run.serious()  # no rank_disagreement, straggler or hang between the processes
+
+
+@pytest.mark.parametrize("fault", ["nan", "batch"])
+def test_mnist_hogwild_fault_in_one_process_is_found_on_its_rank(tmp_path: Path, fault: str) -> None:
+    """The fault is found on the rank of the process that met it, at its step. The other process may be hit too
+    (the weights are shared: a NaN or a wild update reaches it at whatever step it is at, earlier or later by its
+    own count), so only the faulted rank is held to "nothing serious before the fault"."""
+    run = _run(tmp_path, HOGWILD, fault)
+    kind, cause, slack = EXPECTED[fault]
+    lo = HOGWILD.fault_step
+    found = [e for e in run.serious() if e["kind"] == kind and e["rank"] == 2 and lo <= e["onset"] <= lo + slack]
+    assert found and found[0]["causes"][0]["cause"] == cause, run.events
+    assert [e for e in run.serious() if e["rank"] == 2 and e["onset"] < lo] == []
+    assert [e for e in run.serious() if e["kind"] in ("rank_disagreement", "straggler", "hang")] == []
 
 
 # ---------------------------------------------------------------------- DCGAN (two optimizers, adversarial losses)

@@ -168,6 +168,22 @@ def test_a_rank_silent_while_another_continues_is_a_hang() -> None:
     assert "rank 1 on h1 hung after step 20" in found[0].message and found[0].evidence["silent_s"] >= 2.0
 
 
+def test_hogwild_processes_are_neither_stragglers_nor_hung_when_one_ends_first() -> None:
+    """Forked Hogwild processes (coordinate ``fork``) wait for no one: a process 1.6x slower than the other, and
+    one that ends 20 steps earlier, are the same records that make a straggler and a hang of DDP ranks."""
+    def records(coords: dict[int, dict[str, int]]) -> list[StepRecord]:
+        return [StepRecord(run_id="r", step=step, rank=rank, host="h", wall_time=100.0 + step,
+                           coords=coords[rank], signals={"step_time": 1.0, "data_time": 0.1,
+                                                         "compute_time": 0.8 if rank == 2 else 0.5})
+                for step in range(60) for rank in (1, 2) if rank == 1 or step < 40]
+
+    config = DiagnoserConfig(hang=HangConfig(min_s=1.0))
+    ddp = {f.kind for f in _diagnose(records({1: {}, 2: {}}), config)}
+    assert {"straggler", "hang"} <= ddp  # the same timings in a DDP run
+    forked = _diagnose(records({1: {"fork": 1}, 2: {"fork": 2}}), config)
+    assert [f for f in forked if f.kind in PERF_KINDS] == []
+
+
 def test_clean_multirank_records_raise_no_performance_finding() -> None:
     rng = np.random.default_rng(7)
     records = [StepRecord(run_id="r", step=step, rank=rank, host=f"h{rank}", wall_time=float(step),

@@ -56,8 +56,10 @@ logger = logging.getLogger(__name__)
 MetaLookup = Callable[[str], Mapping[str, str]]
 """``run_id -> metadata hash`` (``run_dir``, ``wandb_project``, ...), as strings."""
 
-ARCHIVE_COLUMNS: tuple[str, ...] = ("run_id", "rank", "step", "wall_time", "host", "batch", "entry_id")
-"""Fixed columns of an archive part; one float64 column per signal follows."""
+ARCHIVE_COLUMNS: tuple[str, ...] = ("run_id", "rank", "step", "wall_time", "host", "batch", "entry_id", "coords")
+"""Fixed columns of an archive part; one float64 column per signal follows. ``coords``: the record's parallel
+coordinates as compact JSON (``{"pp":1,"tp":0}``; null when it has none): the post-mortem's cross-rank comparison
+groups the ranks by them, as the worker did (pipeline stages and Hogwild processes are not replicas)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -344,6 +346,10 @@ def compact(directory: Path) -> None:
         logger.info("compacted %d archive parts of rank %d into %s", len(parts), rank, target)
 
 
+def _coords_json(coords: Mapping[str, int]) -> str | None:
+    return json.dumps(dict(coords), sort_keys=True, separators=(",", ":")) if coords else None
+
+
 def archive_table(run_id: str, entries: Sequence[Entry]) -> Any:
     """The ``pyarrow.Table`` of ``entries`` (see :class:`ArchiveSink` for the columns).
 
@@ -364,6 +370,7 @@ def archive_table(run_id: str, entries: Sequence[Entry]) -> Any:
         "host": pa.array([r.host for r in recs], pa.string()),
         "batch": pa.array([r.batch for r in recs], pa.string()),
         "entry_id": pa.array([e.entry_id for e in entries], pa.string()),
+        "coords": pa.array([_coords_json(r.coords) for r in recs], pa.string()),
     }
     blocks = _signal_blocks(entries)
     for name in sorted({name for _, index, _ in blocks for name in index}):
