@@ -647,7 +647,8 @@ def main(argv: list[str] | None = None) -> int:
         out = result.summary()
         print_summary(out)
         if args.json:
-            args.json.write_text(json.dumps(out | {"lag_samples": result.lag_samples}, indent=1))
+            args.json.write_text(json.dumps(out | {"lag_samples": result.lag_samples, "latencies_s": result.latencies,
+                                                   "bursts_s": result.bursts}, indent=1))
         return 0 if result.lag_end == 0 else 1
     finally:
         if args.keep:
