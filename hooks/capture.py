@@ -106,6 +106,7 @@ import functools
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -181,11 +182,22 @@ def _before_fork(ref: weakref.ref[Capture]) -> None:
         return
     capture._forks += 1
     prepare = getattr(capture._sink, "prepare_fork", None)
-    if callable(prepare) and hasattr(capture._sink, "fork_child"):
+    if callable(prepare) and hasattr(capture._sink, "fork_child") and not _forked_by_dataloader():
         try:
             prepare()
         except Exception as exc:  # a fork must never fail because of us
             logger.info("stability: could not start the session before a fork (%s: %s)", type(exc).__name__, exc)
+
+
+def _forked_by_dataloader() -> bool:
+    """Whether this fork starts a ``DataLoader`` worker (it never trains: no reason to start the session for it, or
+    to import the session's modules on the training thread)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if "utils/data/dataloader" in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _forked_child(ref: weakref.ref[Capture]) -> None:

@@ -918,6 +918,41 @@ def test_a_forked_child_that_trains_is_off_and_says_so_once(caplog):
     assert capture.errors == 0 and not capture._forked
 
 
+class _ForkingSink(ListSink):
+    """A sink that serves forked children as the session's does, counting what the capture asks of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared = 0
+
+    def prepare_fork(self) -> None:
+        self.prepared += 1
+
+    def fork_child(self, rank: int) -> ListSink:  # never reached here: the children below do not train
+        raise AssertionError(rank)
+
+
+def test_the_session_is_prepared_for_a_forked_trainer_but_not_for_dataloader_workers():
+    """Before a fork the capture starts the session a Hogwild child will connect to (``prepare_fork``), but not
+    for ``DataLoader`` workers, which never train (no session modules imported on the training thread for them)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    sink = _ForkingSink()
+    capture = Capture(WatchConfig(run_id="forks", stats_every=0), sink).attach()
+    try:
+        data = torch.utils.data.TensorDataset(torch.randn(8, 6))
+        batches = list(torch.utils.data.DataLoader(data, batch_size=4, num_workers=2, multiprocessing_context=ctx))
+        assert len(batches) == 2 and sink.prepared == 0 and capture._forks == 2
+        child = ctx.Process(target=len, args=((),))
+        child.start()
+        child.join(timeout=120)
+        assert child.exitcode == 0 and sink.prepared == 1 and capture._forks == 3
+    finally:
+        capture.close()
+    assert capture.errors == 0
+
+
 def test_optimizers_stepping_together_are_one_record_over_all_their_parameters(caplog):
     """modded-nanogpt steps an Adam for the embeddings, one for the head and Muon for the matrices, one after the
     other on the same gradients. The first optimizer sets the step boundary; the others step in its window (no
