@@ -484,10 +484,11 @@ class RunDiagnoser:
                     waiting.append((rank, step))
                 continue
             suspect = self._verdicts.suspect(rank, step)
+            suite = self._suite(rank)  # loads the rank's part (and its incidents) after a restart
             incident = next((i for i in reversed(self._incidents)
                              if i.rank == rank and any(f.step == step for f in i.findings)), None)
             if suspect is not None and incident is not None:
-                self._rerank(self._suite(rank), incident, incident.headline, extra=[suspect])
+                self._rerank(suite, incident, incident.headline, extra=[suspect])
         self._provisional = waiting
 
     def _resume(self, rank: int, before: int, after: int) -> _RankSuite:
