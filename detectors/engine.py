@@ -670,6 +670,9 @@ class RunDiagnoser:
         ranking = rank_causes(head, suite.history, [*incident.findings, *extra], oddity=self._oddity)
         if only_stronger and head.causes and (not ranking.causes or ranking.causes[0].score <= head.causes[0].score):
             return
+        if extra and head.causes and ranking.causes and ranking.causes[0].cause != head.causes[0].cause and (
+                ranking.causes[0].score <= head.causes[0].score):
+            return  # a late verdict may add causes or outrank the first one, not reshuffle it on later history
         index = next(i for i, f in enumerate(incident.findings) if f is incident.headline)
         before = incident.findings[index]
         incident.findings[index] = dataclasses.replace(head, causes=ranking.causes,
