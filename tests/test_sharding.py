@@ -208,6 +208,19 @@ def test_a_finding_whose_verdict_is_late_is_alerted_at_once_and_revised_by_the_v
     assert [redis_client.hget(keys.summary_pos(run, s), "held") for s in (0, 1)] == [None, None]
 
 
+def test_the_shards_timed_commits_are_spread_over_the_period() -> None:
+    """All shards of a job start together; with the same commit clock their timed commits (put off up to 120 s)
+    fell on the same step, eight ~0.3 s commits back to back per worker, and the next NaN alert waited for them.
+    A shard's first drain starts its clock ``commit_phase`` earlier: any number of shards spread evenly."""
+    from stability.worker.shards import commit_phase
+
+    for count in (2, 16, 64):
+        phases = sorted(commit_phase(shard, 120.0) for shard in range(count))
+        assert all(0.0 <= p < 120.0 for p in phases)
+        assert min(b - a for a, b in zip(phases, phases[1:])) >= 120.0 / count / 4  # no two together
+        assert max(b - a for a, b in zip(phases, [*phases[1:], phases[0] + 120.0])) <= 120.0 / count * 4
+
+
 def test_cross_rank_stage_killed_before_its_commit_repeats_nothing(redis_client: Any,
                                                                   fresh_process_state: None) -> None:
     """The stage fed summaries and published verdicts but never committed (its process died): the next stage

@@ -160,6 +160,15 @@ class RedisVerdicts:
         return Finding.from_dict(json.loads(raw))  # type: ignore[arg-type]
 
 
+def commit_phase(shard: int, period_s: float) -> float:
+    """How much earlier than its first drain a shard's commit clock starts: the shards' timed commits (put off up
+    to ``SnapshotPolicy.max_every_s``, 120 s, on a 1-step-per-10-s job) all fell on the same step, and the eight
+    ~0.3 s commits a worker then ran back to back delayed the next step's NaN alert by 1-3 s (16,384 ranks: the
+    latency tail, docs/benchmarks.md). Golden-ratio phases spread any number of shards evenly over the period;
+    a recovered shard keeps its cadence from its snapshot's time."""
+    return (shard * 0.6180339887498949) % 1.0 * period_s
+
+
 class _Factory:
     """A shard's diagnoser factory; one object per (client, run, shard) in a process, so a drain continues the
     in-memory context of the previous drain of the shard (:meth:`Drainer._resume` compares factories)."""
@@ -231,6 +240,8 @@ class ShardDrainer(Drainer):
         return None
 
     def _fresh_context(self, ctx: _Context) -> None:
+        if not self.client.exists(self._state_key):  # the shard's first drain: stagger its commit cadence
+            ctx.committed_at -= commit_phase(self.shard, self.snapshot.max_every_s)
         raw: dict[bytes, bytes] = self.client.hgetall(keys.summary_pos(self.run_id, self.shard))  # type: ignore[assignment]
         ctx.extra["summarized"] = {int(k[1:]): id_key(v) for k, v in raw.items() if k.startswith(b"r")}
         ctx.extra["idle"] = raw.get(b"idle") == b"1"
