@@ -126,7 +126,24 @@ def _started_processes(proc: subprocess.Popen[bytes], marker: Path) -> dict[int,
         return "stability.supervisor" in cmds and "redis-server" in cmds and "stability.worker" in cmds
 
     _wait(complete, 120, "supervisor, redis-server and worker to be running")
+    _wait(lambda: _records_in_redis(marker.parent / "run"), 120, "the training process's session to be open")
     return found
+
+
+def _records_in_redis(run_dir: Path) -> bool:
+    """The training side's session is open: its emitter has written records (the processes exist a little
+    earlier; a signal in between finds no session to record the end with, see the note in the SIGTERM test)."""
+    try:
+        url = (run_dir / "redis" / "url").read_text().strip()
+    except OSError:
+        return False
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        return bool(client.xlen(keys.records("lifecycle-run", 0)))
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
 
 
 def _findings(run_dir: Path) -> dict[str, object]:
