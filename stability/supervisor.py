@@ -208,8 +208,11 @@ class Supervisor:
 
         client = connect(self.url, socket_timeout=5, socket_connect_timeout=5)
         try:
-            status = runstate.mark(client, self.run_id, runstate.DIED, reason="vanished without a clean close",
-                                   run_dir=self.run_dir)
+            # its own last word, if it could only write it to status.json (Redis did not answer it in time)
+            said = runstate.read_status_file(self.run_dir)
+            reason = (said.reason if said is not None and said.pid == self.watch.pid and said.status == runstate.DIED
+                      and said.reason else "vanished without a clean close")
+            status = runstate.mark(client, self.run_id, runstate.DIED, reason=reason, run_dir=self.run_dir)
             log.warning("stability supervisor: training process %d is gone; run %s %s", self.watch.pid,
                         self.run_id, status.describe())
             ranks = sorted(int(r) for r in client.smembers(keys.ranks(self.run_id)))  # type: ignore[union-attr]

@@ -274,6 +274,27 @@ def test_sigterm_handler_only_when_none_is_set() -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_the_trainers_last_word_in_status_json_is_kept_by_the_supervisor(
+        redis_server: RedisServer, redis_client: redis.Redis[bytes], tmp_path: Path) -> None:
+    """A trainer whose SIGTERM close could not reach Redis in time writes its end to ``status.json`` only; the
+    supervisor, seeing it gone, records that reason instead of "vanished" (before: it overwrote it). A status
+    another process wrote (a stale file, another pid) does not count."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    watched = os.getpid()  # stands for the trainer; the supervisor does not check that it is gone here
+
+    def after_death(run_id: str, pid: int) -> runstate.RunStatus:
+        runstate.write_status_file(run_dir, run_id, runstate.RunStatus(status=runstate.DIED, reason="SIGTERM",
+                                                                       time=time.time(), host="h", pid=pid))
+        supervisor.Supervisor(run_dir=run_dir, run_id=run_id, watch_pid=watched, worker=False, exit_drain_s=1.0,
+                              redis_url=redis_server.url)._after_death()
+        return runstate.read_status(redis_client, run_id)
+
+    assert after_death("own-word", watched).reason == "SIGTERM"
+    assert runstate.read_status_file(run_dir).reason == "SIGTERM"  # type: ignore[union-attr]
+    assert after_death("stale-file", watched + 1).reason == "vanished without a clean close"
+
+
 def test_status_transitions(redis_server: RedisServer, redis_client: redis.Redis[bytes], tmp_path: Path) -> None:
     run = "status-run"
     redis_client.sadd(keys.ranks(run), 0, 1)
