@@ -50,7 +50,7 @@ class Net(nn.Module):
         return F.log_softmax(x, dim=1)
 
 
-def synthetic_digits(n, seed):
+def synthetic_digits(n, seed, noise=2.5):
     """Ten smooth 28x28 prototypes (seed 0), each sample shifted by up to 3 pixels, plus pixel noise."""
     proto_gen = torch.Generator().manual_seed(0)
     prototypes = F.avg_pool2d(torch.randn(10, 1, 34, 34, generator=proto_gen), 5, 1)  # 30x30, smooth
@@ -60,7 +60,7 @@ def synthetic_digits(n, seed):
     dy = torch.randint(0, 3, (n,), generator=gen)
     shifts = zip(y.tolist(), dx.tolist(), dy.tolist(), strict=True)
     x = torch.stack([prototypes[c, :, i:i + 28, j:j + 28] for c, i, j in shifts])
-    x = (x - x.mean()) / x.std() + 2.5 * torch.randn(x.shape, generator=gen)
+    x = (x - x.mean()) / x.std() + noise * torch.randn(x.shape, generator=gen)
     return x, y
 
 

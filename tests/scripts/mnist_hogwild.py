@@ -5,7 +5,8 @@ without locks), then tested by the parent, which never trains itself.
 
 Re-created from the public example for stability's tests, not copied. pytorch/examples is distributed under the
 BSD 3-Clause licence, Copyright (c) 2017, the PyTorch contributors. The data are synthetic 28x28 "digits" (ten
-seeded smooth prototypes, randomly shifted, plus noise, generated here) instead of MNIST, so nothing is downloaded.
+seeded smooth prototypes, randomly shifted, plus noise: ``mnist.py``'s generator, with less noise) instead of
+MNIST, so nothing is downloaded.
 
     python tests/scripts/mnist_hogwild.py --steps 120 --fault none|nan|batch [--num-processes 2]
 
@@ -19,6 +20,7 @@ import argparse
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from mnist import synthetic_digits, test  # tests/scripts/mnist.py: its data generator and test pass
 from torch import nn, optim
 
 import stability.auto  # noqa: F401  (the only stability line)
@@ -41,20 +43,6 @@ class Net(nn.Module):
         x = F.dropout(x, training=self.training)
         x = self.fc2(x)
         return F.log_softmax(x, dim=1)
-
-
-def synthetic_digits(n, seed):
-    """Ten smooth 28x28 prototypes (seed 0), each sample shifted by up to 3 pixels, plus pixel noise."""
-    proto_gen = torch.Generator().manual_seed(0)
-    prototypes = F.avg_pool2d(torch.randn(10, 1, 34, 34, generator=proto_gen), 5, 1)  # 30x30, smooth
-    gen = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, 10, (n,), generator=gen)
-    dx = torch.randint(0, 3, (n,), generator=gen)
-    dy = torch.randint(0, 3, (n,), generator=gen)
-    shifts = zip(y.tolist(), dx.tolist(), dy.tolist(), strict=True)
-    x = torch.stack([prototypes[c, :, i:i + 28, j:j + 28] for c, i, j in shifts])
-    x = (x - x.mean()) / x.std() + 1.5 * torch.randn(x.shape, generator=gen)
-    return x, y
 
 
 def train(rank, args, model, x, y):
@@ -85,15 +73,6 @@ def train(rank, args, model, x, y):
             step += 1
 
 
-def test(model, x, y):
-    model.eval()
-    with torch.no_grad():
-        output = model(x)
-        loss = F.nll_loss(output, y, reduction="sum").item() / len(y)
-        correct = output.argmax(dim=1).eq(y).sum().item()
-    print(f"Test set: Average loss: {loss:.4f}, Accuracy: {correct}/{len(y)}", flush=True)
-
-
 def main():
     parser = argparse.ArgumentParser(description="PyTorch MNIST Hogwild Example (small, synthetic digits)")
     parser.add_argument("--batch-size", type=int, default=64)
@@ -111,8 +90,8 @@ def main():
         args.fault_step = int(args.steps * 0.6)
 
     torch.manual_seed(args.seed)
-    x_train, y_train = synthetic_digits(args.train_size, seed=1)
-    x_test, y_test = synthetic_digits(400, seed=2)
+    x_train, y_train = synthetic_digits(args.train_size, seed=1, noise=1.5)  # easier than mnist.py's 2.5
+    x_test, y_test = synthetic_digits(400, seed=2, noise=1.5)
     model = Net()
     model.share_memory()  # gradients are allocated lazily, so they are not shared here
     processes = []
