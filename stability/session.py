@@ -280,6 +280,7 @@ class LazySession:
         self._thread: threading.Thread | None = None
         self._failed = False
         self._closed = False
+        self._terminated: str | None = None
         self.dropped = 0
         """Records dropped before the session was up (buffer full, or the session failed to open)."""
 
@@ -358,6 +359,9 @@ class LazySession:
             while self._buffer:
                 session.emitter.put(self._buffer.popleft())
             self._session = session
+            terminated = self._terminated is not None
+        if terminated:
+            self._terminated_meanwhile(session)
 
     def close(self, timeout: float = DRAIN_WAIT_S, *, died: str | None = None, wait_drained: bool = True,
               flush_s: float | None = None) -> Session | None:
@@ -375,15 +379,37 @@ class LazySession:
         return session
 
     def terminate(self, reason: str, timeout: float = 10.0) -> None:
-        """See :meth:`Session.terminate`; waits up to ``timeout`` for a session that is still opening."""
+        """See :meth:`Session.terminate`; waits up to ``timeout`` for a session that is still opening.
+
+        A session still not open by then (the embedded Redis slow to start, a remote one not answering) cannot
+        reach Redis: local rank 0 writes the end to ``<run dir>/status.json`` (the supervisor, if it was started,
+        keeps that reason instead of "vanished"), and a session that opens after all records it at once."""
         with self._lock:
             self._closed = True
+            self._terminated = reason
             thread = self._thread
         if thread is None:
             return
         thread.join(timeout)
         if self._session is not None:
             self._session.terminate(reason, timeout=timeout)
+        elif thread.is_alive() and self._fork_rank is None and rank_from_env()[1] == 0:
+            _write_early_end(self.config, reason)
+
+    def _terminated_meanwhile(self, session: Session) -> None:
+        """The process was told to terminate while ``session`` was opening: record the end now."""
+        with contextlib.suppress(Exception):
+            session.terminate(self._terminated or "terminated", timeout=2.0)
+
+
+def _write_early_end(config: WatchConfig, reason: str) -> None:
+    """``status.json`` of a run whose session never opened: died for ``reason``, at no recorded step."""
+    from stability import runstate
+
+    end = runstate.RunStatus(status=runstate.DIED, reason=reason, time=time.time(), host=socket.gethostname(),
+                             pid=os.getpid())
+    with contextlib.suppress(OSError):
+        runstate.write_status_file(make_private_dir(config.resolved_run_dir.resolve()), config.run_id, end)
 
 
 def start_line(config: WatchConfig, run_dir: Path, url: str, meta: dict[str, str], *, local_worker: bool) -> str:

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,10 @@ import pytest
 import redis
 
 from stability import _sigterm, keys, runstate, supervisor
+from stability.config import WatchConfig
 from stability.embedded import RedisServer
+from stability.records import StepRecord
+from stability.session import LazySession
 
 pytestmark = pytest.mark.slow
 
@@ -170,6 +174,31 @@ def test_killed_training_leaves_no_process_and_gets_its_report(tmp_path: Path, s
     assert (run_dir / "report.html").stat().st_size > 0
     log = (run_dir / "worker.log").read_text()
     assert "is gone; run lifecycle-run died" in log
+
+
+def test_a_sigterm_while_the_session_opens_still_records_the_reason(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The terminate path of a session that is not open yet (here a Redis that accepts the connection and never
+    answers: a real listening socket) writes ``status.json`` itself: died, with the signal and this process's pid
+    (what the supervisor keeps instead of "vanished")."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes the handshake; nothing ever replies
+    run_dir = tmp_path / "run"
+    config = WatchConfig(run_id="early-term", run_dir=run_dir, redis_url=f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
+    sink = LazySession(config)
+    try:
+        assert sink.put(StepRecord(run_id="early-term", step=0, wall_time=time.time(), signals={"loss": 1.0}))
+        sink.terminate("SIGTERM", timeout=0.2)
+        assert sink.session is None  # still opening: the early path ran
+        status = runstate.read_status_file(run_dir)
+        assert status is not None
+        assert (status.status, status.reason, status.pid) == (runstate.DIED, "SIGTERM", os.getpid())
+        assert status.describe() == "died (SIGTERM)"
+    finally:
+        silent.close()
 
 
 def test_exception_records_died_and_clean_stop(tmp_path: Path) -> None:
