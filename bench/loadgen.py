@@ -55,6 +55,7 @@ from _records import RecordFactory
 from stability import keys
 from stability.embedded import RedisServer, free_port
 from stability.records import encode
+from stability.transport import push_urgent
 
 REPO = Path(__file__).resolve().parents[1]
 REARM = 120
@@ -423,6 +424,7 @@ class _StepWriter:
             pipe.xadd(stream, {"r": data}, id=eid)
             if probe:
                 probes.append(probe)
+                push_urgent(pipe, probe[0], probe[1])  # as the rank's emitter does with a non-finite record
             if len(pipe) >= 2000:
                 self._execute(pipe, probes)
         self._execute(pipe, probes)

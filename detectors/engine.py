@@ -408,6 +408,13 @@ class RunDiagnoser:
         return min([*(finding.step for _, finding, _ in self._held), *(step for _, step in self._provisional)],
                    default=None)
 
+    def release_due(self) -> float | None:
+        """With external verdicts (a shard): the unix time the longest-held finding stops waiting for its verdict
+        (None: nothing held); a release then alerts it provisionally."""
+        if self._verdicts is None or not self._held:
+            return None
+        return min(since for _, _, since in self._held) + self.config.verdict_wait_s
+
     def release(self) -> list[Finding]:
         """Fuse and return the held findings that became decidable (a sharded run's shard calls this when the
         cross-rank stage decided more steps while no record of the shard arrived)."""

@@ -32,6 +32,11 @@ Sharded runs (meta field ``shard_size`` > 0; see :mod:`stability.worker.shards`)
 
 Global: ``stability:sweeper`` (lease of the worker that currently runs the sweep).
 
+Global: ``stability:urgent`` (list of ``<run>\n<rank>``: a rank wrote a record with a non-finite loss or gradient,
+pushed by its emitter; the sweeping worker pops it at once and queues that rank's drain ahead of the others) and
+``stability:due`` (sorted set of ``<run>\n<shard>`` by the unix time a finding the shard holds for the cross-rank
+verdict is due for release: the sweeping worker queues that shard's drain then, ahead of the others).
+
 Global: ``stability:runs`` (set of active run ids). Runs no longer active are found by their meta hash
 (``SCAN MATCH`` :data:`META_PATTERN`).
 """
@@ -40,6 +45,10 @@ from __future__ import annotations
 
 PREFIX = "stability"
 RUNS = f"{PREFIX}:runs"
+URGENT = f"{PREFIX}:urgent"
+DUE = f"{PREFIX}:due"
+URGENT_MAX = 10_000
+"""Most entries kept in :data:`URGENT` (trimmed by the emitters: no worker may be sweeping)."""
 GROUP = "stability-workers"
 """Consumer group name on every record stream."""
 
@@ -177,3 +186,17 @@ def run_of_meta(key: str | bytes) -> str | None:
     if text.startswith(head) and text.endswith(tail) and len(text) > len(head) + len(tail):
         return text[len(head) : -len(tail)]
     return None
+
+
+def urgent_member(run_id: str, rank_or_shard: int | str) -> str:
+    """An entry of :data:`URGENT` (a rank) or :data:`DUE` (a shard)."""
+    return f"{run_id}\n{rank_or_shard}"
+
+
+def parse_urgent(member: bytes | str) -> tuple[str, int] | None:
+    """``(run_id, number)`` of an :data:`URGENT` / :data:`DUE` entry (None: not one)."""
+    text = member.decode(errors="replace") if isinstance(member, bytes) else member
+    run_id, sep, number = text.rpartition("\n")
+    if not sep or not run_id or not number.isdigit():
+        return None
+    return run_id, int(number)

@@ -43,6 +43,7 @@ __all__ = [
     "decode",
     "decode_packed",
     "encode",
+    "is_urgent",
     "loss_steps",
     "split_signal",
 ]
@@ -71,6 +72,18 @@ GLOBAL_SIGNALS: tuple[str, ...] = (
 (Megatron's ``log_interval``, HF Trainer's ``logging_steps``); absent means 1 (the hooks report every step). It
 changes what a jump means: a mean over 10 steps that rises 1.8x cannot be one bad batch (that batch alone would
 have to be 9x), see ``detectors/spike.py``."""
+
+
+def is_urgent(record: StepRecord) -> bool:
+    """A record a worker should read before the others: a non-finite loss or gradient norm, or non-finite gradient
+    elements counted (its emitter pushes the rank to ``keys.URGENT``)."""
+    signals = record.signals
+    for name in ("loss", "grad_norm"):
+        value = signals.get(name)
+        if value is not None and not math.isfinite(value):
+            return True
+    count = signals.get("nonfinite_grads")
+    return count is not None and count != 0
 
 
 def loss_steps(record: StepRecord) -> float:

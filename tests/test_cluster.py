@@ -282,6 +282,8 @@ def test_emitters_and_drainer_over_a_three_node_cluster(cluster: Cluster, tmp_pa
     emit_run(cluster.url, spike_run, tmp_path / "spool", spike_at=SPIKE_STEP)
     emit_run(cluster.url, clean_run, tmp_path / "spool")
     assert {m.decode() for m in client.smembers(keys.RUNS)} == set(runs)
+    # the NaN's emitter also pushed its rank to the global urgent list (another slot than the run's keys)
+    assert client.lrange(keys.URGENT, 0, -1) == [keys.urgent_member(nan_run, 1).encode()]
 
     sinks = [RedisFindingsSink(client), AdviceSink(client)]  # both run Lua scripts on the run's slot
     for run_id in runs:

@@ -11,7 +11,7 @@ import pytest
 
 from stability import records as records_module
 from stability.errors import RecordError
-from stability.records import MAX_RECORD_BYTES, StepRecord, decode, encode, split_signal
+from stability.records import MAX_RECORD_BYTES, StepRecord, decode, encode, is_urgent, split_signal
 
 _DELETE = object()
 
@@ -163,3 +163,14 @@ def test_known_layout_split_equals_the_field_by_field_read() -> None:
     bad = _raw()[:-1]  # the values cut short: no split, the field-by-field read names the problem
     with pytest.raises(RecordError, match="not valid msgpack"):
         decode(bad)
+
+
+@pytest.mark.parametrize(("signals", "urgent"), [
+    ({"loss": 2.0, "grad_norm": 1.0, "nonfinite_grads": 0.0}, False),
+    ({"grad_norm/h.0": math.nan}, False),  # one layer's norm: the records' detectors judge it, not the sweep
+    ({"loss": math.nan}, True),
+    ({"loss": 1.0, "grad_norm": math.inf}, True),
+    ({"loss": 1.0, "nonfinite_grads": 3.0}, True),
+])
+def test_a_record_is_urgent_when_its_loss_or_gradient_is_not_finite(signals: dict[str, float], urgent: bool) -> None:
+    assert is_urgent(StepRecord(run_id="r", step=1, wall_time=0.0, signals=signals)) is urgent

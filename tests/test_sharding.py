@@ -152,9 +152,12 @@ def test_the_stage_hands_a_held_shard_over_when_it_decides_the_step(redis_client
     released: list[int] = []
     leased: list[int] = []
     nan_shard = ShardDrainer(redis_client, "rel", 0, 4, sinks=sinks, on_lease=lambda: leased.append(0), config=HOLD)
+    before = time.time()
     nan_shard.run()
     held = redis_client.hget(keys.summary_pos("rel", 0), "held")
     assert held is not None and int(held) <= NAN_STEP and leased == [0]
+    due = redis_client.zscore(keys.DUE, keys.urgent_member("rel", 0))  # when the sweeper drains it to release
+    assert due is not None and before + HOLD.verdict_wait_s <= due <= time.time() + HOLD.verdict_wait_s
     assert "nan" not in {f["kind"] for f in findings(redis_client, "rel")}
     CrossRankStage(redis_client, "rel", 4, sinks=sinks, on_release=released.extend).run()
     assert released == []  # shard 1 has not summarized its ranks: nothing decided yet
@@ -166,6 +169,56 @@ def test_the_stage_hands_a_held_shard_over_when_it_decides_the_step(redis_client
     assert (nan["rank"], nan["step"]) == (NAN_RANK, NAN_STEP)
     assert [c["cause"] for c in nan["causes"]] == ["numerical_nan", "hardware_fault"]
     assert redis_client.hget(keys.summary_pos("rel", 0), "held") is None
+
+
+URGENT_PROBE = """
+import json, time
+from kombu import Connection
+from stability import keys
+from stability.transport import push_urgent
+from stability.worker import tasks
+from stability.worker.app import app
+
+client, run = tasks.client(), "hurry"
+client.hset(keys.meta(run), "shard_size", "4")
+client.sadd(keys.RUNS, run)
+client.sadd(keys.ranks(run), *range(16))
+normal = tasks.sweep()  # the 4 shards and the cross-rank stage, queued in shard order
+with client.pipeline(transaction=False) as pipe:
+    push_urgent(pipe, run, 13)  # rank 13 (shard 3) wrote a NaN
+    pipe.execute()
+client.zadd(keys.DUE, {keys.urgent_member(run, 2): time.time() - 1})  # shard 2 holds a finding now due
+client.zadd(keys.DUE, {keys.urgent_member(run, 1): time.time() + 600})  # shard 1's is not due yet
+sweeper = tasks.Sweeper(1.0)
+sweeper.holding = True
+sent = sweeper.serve_urgent(5.0)
+order = []
+with Connection(app.conf.broker_url) as conn:
+    queue = conn.SimpleQueue("celery")
+    for _ in range(normal + sent):
+        message = queue.get(timeout=10)
+        order.append([message.headers["task"], message.payload[0]])
+        message.ack()
+print(json.dumps({"normal": normal, "sent": sent, "order": order,
+                  "left": [m.decode() for m in client.zrange(keys.DUE, 0, -1)]}))
+"""
+
+
+def test_urgent_drains_are_read_before_the_drains_queued_earlier(redis_server: RedisServer) -> None:
+    """A rank that wrote a non-finite record (``keys.URGENT``) and a shard whose held finding is due
+    (``keys.DUE``) get their drains queued by the sweeping worker at once, and a real kombu consumer on the real
+    Redis broker reads them before the five drains the sweep had queued (priority 0 against the default 6); the
+    shard not yet due stays in ``keys.DUE``. In a fresh process: the Celery app reads its broker from the
+    environment."""
+    env = {**os.environ, "STABILITY_REDIS_URL": redis_server.url, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", URGENT_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (out["normal"], out["sent"]) == (5, 2)
+    assert out["order"][:2] == [["stability.drain_shard", ["hurry", 2, 4]], ["stability.drain_shard", ["hurry", 3, 4]]]
+    assert out["order"][2:] == [  # then the sweep's, in their order
+        *(["stability.drain_shard", ["hurry", shard, 4]] for shard in range(4)), ["stability.crossrank", ["hurry", 4]]]
+    assert out["left"] == ["hurry\n1"]
 
 
 def test_a_finding_whose_verdict_is_late_is_alerted_at_once_and_revised_by_the_verdict(

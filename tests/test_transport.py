@@ -116,6 +116,8 @@ def test_records_arrive_in_order_with_their_ids_and_the_run_is_registered(
     assert meta[b"host"] == b"node-1" and meta[b"project"] == b"p"
     assert float(meta[b"started"]) <= float(meta[b"ended:0"]) <= time.time() + 1
     assert not emitter.spool_path.exists()
+    # the non-finite record also asked the sweeping worker to read this rank first, once
+    assert redis_client.lrange(keys.URGENT, 0, -1) == [keys.urgent_member(RUN, 0).encode()]
 
 
 def test_ids_stay_strictly_increasing_when_the_clock_stalls_or_steps_repeat(

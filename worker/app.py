@@ -203,6 +203,7 @@ app.conf.update(
     task_serializer="json",
     accept_content=["json"],
     worker_prefetch_multiplier=1,
+    task_default_priority=6,  # tasks.NORMAL_PRIORITY: urgent drains (priority 0) are read first (Redis transport)
     worker_hijack_root_logger=False,
     beat_scheduler="celery.beat:Scheduler",  # in memory: no celerybeat-schedule file in the working directory
     beat_schedule={"sweep": {"task": "stability.sweep", "schedule": settings.sweep_s}},

@@ -260,6 +260,18 @@ class ShardDrainer(Drainer):
         self._verdicts.refresh()
 
     def _after_batch(self, token: str, ctx: _Context, batch: _Batch, ranks: list[int]) -> None:
+        self._summarize(token, ctx, batch)
+        self._note_due(ctx)
+
+    def _note_due(self, ctx: _Context) -> None:
+        """A finding held for the cross-rank verdict stops waiting at ``due``: ask the sweeping worker to drain this
+        shard then (``keys.DUE``; an earlier entry stays), not at whatever place the next sweep gives it."""
+        due: float | None = ctx.diag.release_due()  # type: ignore[attr-defined]
+        if due is not None and due != ctx.extra.get("due_noted"):
+            self.client.zadd(keys.DUE, {keys.urgent_member(self.run_id, self.shard): due}, lt=True)
+            ctx.extra["due_noted"] = due
+
+    def _summarize(self, token: str, ctx: _Context, batch: _Batch) -> None:
         if not batch.acks:
             batch.findings += ctx.diag.release()  # type: ignore[attr-defined]
             idle = {} if ctx.extra.get("idle") else {"idle": "1"}

@@ -13,6 +13,15 @@ worker is re-sent).
 worker dies, however it dies, its lease expires and another worker takes over within one lease; there is no beat
 process to be left orphaned. Two sweeps at once (a worker stalled past its lease) are harmless: the trigger markers
 keep one queued task per run.
+
+**Urgent first.** Between two sweeps the sweeping worker waits on ``keys.URGENT`` (``BLPOP``): an emitter pushes
+its rank there with a record that has a non-finite loss or gradient, and the rank's drain (its shard's, in a sharded
+run) is queued at once with :data:`URGENT_PRIORITY`, ahead of the drains already queued (every other task goes with
+:data:`NORMAL_PRIORITY`; kombu's Redis transport reads the lower number first; a RabbitMQ broker ignores both unless
+its queues declare ``x-max-priority``). A shard that holds such a finding for the cross-rank verdict notes when the
+wait runs out (``keys.DUE``); the sweeping worker queues that shard's drain then, and the cross-rank stage's
+release of decided steps goes ahead of the queue too. So a NaN in a 16,384-rank job is read in the first shard
+drain after it was written instead of wherever its shard falls in the sweep's order.
 """
 
 from __future__ import annotations
@@ -37,11 +46,11 @@ from stability.worker.app import app, settings
 from stability.worker.crossrank_stage import CrossRankStage
 from stability.worker.drain import Diagnoser, Drainer, DrainResult, SnapshotPolicy, run_ranks
 from stability.worker.quiet import QuietCheck, QuietConfig
-from stability.worker.shards import ShardDrainer, decide_shard_size, shards_of
+from stability.worker.shards import ShardDrainer, decide_shard_size, shard_size, shards_of
 from stability.worker.sinks import ArchiveSink, ConsoleSink, RedisFindingsSink, ReportSink, Sink, redis_meta
 from stability.worker.wandb_sink import WandbSink, _RunState
 
-__all__ = ["Sweeper", "crossrank", "drain", "drain_shard", "sweep"]
+__all__ = ["Sweeper", "crossrank", "drain", "drain_shard", "sweep", "urgent_sweep"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +165,75 @@ def _own_queue(sender: str, instance: Any, **_: Any) -> None:
     _OWN_QUEUE[:] = [name]
 
 
+URGENT_PRIORITY = 0
+"""Message priority of urgent drains (kombu's Redis transport reads priority 0 first)."""
+NORMAL_PRIORITY = 6
+"""Every other task's priority (``task_default_priority``, set in :mod:`.app`)."""
+
+
+def _send_urgent(targets: list[tuple[Any, tuple[Any, ...], str | None]]) -> int:
+    """Queue each (task, args, affinity key) with :data:`URGENT_PRIORITY`, whether or not a normal trigger of it is
+    queued already (a second drain finds nothing new: cheap); returns how many were sent."""
+    if not targets:
+        return 0
+    with client().pipeline(transaction=False) as pipe:
+        for _, _, affinity in targets:
+            pipe.get(affinity) if affinity is not None else pipe.echo(b"")
+        queues = pipe.execute()
+    for (task, args, _), queue in zip(targets, queues, strict=True):
+        if queue:
+            task.apply_async(args, queue=queue.decode() if isinstance(queue, bytes) else str(queue),
+                             priority=URGENT_PRIORITY)
+        else:
+            task.apply_async(args, priority=URGENT_PRIORITY)
+    return len(targets)
+
+
+def urgent_sweep(urgent: list[bytes], due: list[bytes]) -> int:
+    """Queue, ahead of the other drains, the drain of each rank in ``urgent`` (``keys.URGENT`` entries: its shard's
+    in a sharded run) and of each shard in ``due`` (``keys.DUE`` entries); returns the tasks sent."""
+    wanted: dict[str, set[int]] = {}
+    sizes: dict[str, int] = {}
+
+    def size_of(run_id: str) -> int:
+        if run_id not in sizes:
+            sizes[run_id] = shard_size(client(), run_id)
+        return sizes[run_id]
+
+    for member in urgent:
+        parsed = keys.parse_urgent(member)
+        if parsed is not None:
+            size = size_of(parsed[0])
+            wanted.setdefault(parsed[0], set()).add(parsed[1] // size if size else -1)
+    for member in due:
+        parsed = keys.parse_urgent(member)
+        if parsed is not None and size_of(parsed[0]):
+            wanted.setdefault(parsed[0], set()).add(parsed[1])
+    targets: list[tuple[Any, tuple[Any, ...], str | None]] = []
+    for run_id, shards in sorted(wanted.items()):
+        for shard in sorted(shards):
+            if shard < 0:
+                targets.append((drain, (run_id,), None))
+            else:
+                targets.append((drain_shard, (run_id, shard, sizes[run_id]), keys.shard_affinity(run_id, shard)))
+    return _send_urgent(targets)
+
+
+def _pop_due(now: float) -> list[bytes]:
+    """Take the ``keys.DUE`` entries whose time has come."""
+    with client().pipeline(transaction=True) as pipe:
+        pipe.zrangebyscore(keys.DUE, "-inf", now)
+        pipe.zremrangebyscore(keys.DUE, "-inf", now)
+        members, _ = pipe.execute()
+    return list(members)
+
+
+def _next_due() -> float | None:
+    """Unix time of the earliest ``keys.DUE`` entry (None: none)."""
+    first = client().zrange(keys.DUE, 0, 0, withscores=True)
+    return float(first[0][1]) if first else None  # type: ignore[index]
+
+
 @app.task(name="stability.sweep")  # type: ignore[untyped-decorator]
 def sweep() -> int:
     """Send a drain task for every active run (every shard and the cross-rank stage of a sharded run) that has no
@@ -222,16 +300,51 @@ class Sweeper:
             self.holding = held
         return sweep() if held else None
 
+    def serve_urgent(self, wait_s: float) -> int:
+        """Wait up to ``wait_s`` (at most 1 s) for an urgent rank (``keys.URGENT``) or a due shard (``keys.DUE``)
+        and queue their drains ahead of the others (:func:`urgent_sweep`); returns the tasks sent."""
+        now = time.time()
+        due_at = _next_due()
+        timeout = min(wait_s, 1.0) if due_at is None else min(wait_s, 1.0, due_at - now)
+        urgent: list[bytes] = []
+        popped = client().blpop([keys.URGENT], timeout=round(timeout, 3)) if timeout >= 0.001 else None
+        if popped:
+            urgent.append(popped[1])  # type: ignore[index]
+        urgent += client().lpop(keys.URGENT, 1000) or []  # type: ignore[operator]
+        due = _pop_due(time.time()) if due_at is not None and due_at <= time.time() else []
+        return urgent_sweep(urgent, due) if urgent or due else 0
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
+        while True:
+            self._wait_until(time.monotonic() + self.every_s)
+            if self._stop.is_set():
+                return
             try:
                 self.tick()
             except Exception as exc:  # Redis or the broker away: keep trying, say so once a minute
-                now = time.monotonic()
-                if now - self._logged >= 60:
-                    self._logged = now
-                    logger.warning("sweeper: sweep failed (%s: %s); retrying every %.1f s", type(exc).__name__, exc,
-                                   self.every_s)
+                self._failed("sweep", exc)
+
+    def _wait_until(self, deadline: float) -> None:
+        """Until ``deadline`` (or a stop): while this worker sweeps, serve urgent drains as they come."""
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if not self.holding:
+                self._stop.wait(left)
+                continue
+            try:
+                self.serve_urgent(left)
+            except Exception as exc:
+                self._failed("urgent drains", exc)
+                self._stop.wait(left)
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._logged >= 60:
+            self._logged = now
+            logger.warning("sweeper: %s failed (%s: %s); retrying every %.1f s", what, type(exc).__name__, exc,
+                           self.every_s)
 
 
 _SWEEPER: list[Sweeper] = []
@@ -355,8 +468,8 @@ def _stage(run_id: str, size: int) -> DrainResult:
 
 def _release(run_id: str, size: int, shards: list[int]) -> None:
     """The cross-rank stage decided the step of findings these shards hold: drain them now (they release them), not
-    at the next sweep."""
-    _trigger_all(_shard_triggers(run_id, size, shards))
+    at the next sweep, ahead of the drains already queued."""
+    _send_urgent([(drain_shard, (run_id, shard, size), keys.shard_affinity(run_id, shard)) for shard in shards])
 
 
 def _shard_triggers(run_id: str, size: int, shards: list[int]) -> list[tuple[str, Any, tuple[Any, ...], str | None]]:

@@ -44,12 +44,12 @@ from redis.retry import Retry
 
 from stability import keys
 from stability.errors import ConfigError, RecordError
-from stability.records import StepRecord, check_run_id, encode
+from stability.records import StepRecord, check_run_id, encode, is_urgent
 from stability.redis_url import RedisClient, check_url, classify_error, connect, is_cluster_url, safe_url
 from stability.transport._ids import IdClock
 from stability.transport._spool import Entry, Spool, lost_path, spool_path
 
-__all__ = ["Emitter", "EmitterStats"]
+__all__ = ["Emitter", "EmitterStats", "push_urgent"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +160,9 @@ class Emitter:
         self.rank = rank
         self._url = safe_url(redis_url)
         self._stream_key = keys.records(run_id, rank)
+        self._urgent_ids: set[str] = set()
+        """Entry ids of queued records with a non-finite loss or gradient: their XADD also pushes this rank to
+        ``keys.URGENT`` (the sweeping worker queues the rank's drain at once, ahead of the others)."""
         self._meta: dict[str | bytes, str | bytes | int | float] = {k: v for k, v in (meta or {}).items()}
         self._started = f"{time.time():.3f}"
         self._batch_max = batch_max
@@ -229,7 +232,10 @@ class Emitter:
                 if len(self._queue) >= self._queue_size:
                     self._counts["dropped"] += 1
                     return False
-                self._queue.append((self._ids.next(record.wall_time, record.step), payload))
+                entry_id = self._ids.next(record.wall_time, record.step)
+                self._queue.append((entry_id, payload))
+                if is_urgent(record) and len(self._urgent_ids) < 1000:
+                    self._urgent_ids.add(entry_id)
                 self._counts["queued"] += 1
                 self._ready.notify()
                 return True
@@ -416,9 +422,12 @@ class Emitter:
         pipe = self._client.pipeline(transaction=False)
         for entry_id, payload in entries:
             pipe.xadd(self._stream_key, {"r": payload}, id=entry_id)
+        urgent = self._take_urgent(entries)
+        if urgent:  # after the records: the worker that pops it reads them
+            push_urgent(pipe, self.run_id, self.rank)
         results = pipe.execute(raise_on_error=False)
         outcome = _Outcome()
-        for index, result in enumerate(results):
+        for index, result in enumerate(results[: len(entries)]):
             if not isinstance(result, Exception):
                 outcome.added += 1
             elif _DUPLICATE in str(result):
@@ -433,6 +442,16 @@ class Emitter:
                     "rejected", logging.ERROR, "Redis rejected record %s: %s%s", entries[index][0], result, hint
                 )
         return outcome
+
+    def _take_urgent(self, entries: Sequence[Entry]) -> bool:
+        """Whether ``entries`` hold an urgent record (forgotten here: a batch that fails goes to the spool, and
+        its replay is not urgent any more)."""
+        with self._lock:
+            if not self._urgent_ids:
+                return False
+            found = [entry_id for entry_id, _ in entries if entry_id in self._urgent_ids]
+            self._urgent_ids.difference_update(found)
+            return bool(found)
 
     def _to_spool(self, batch: Sequence[Entry], *, taken_over: bool = False) -> None:
         if taken_over:  # close() itself, holding the spool lock
@@ -657,6 +676,13 @@ class Emitter:
         if suppressed:
             msg += f" ({suppressed} similar messages suppressed)"
         logger.log(level, msg, *args)
+
+
+def push_urgent(pipe: Any, run_id: str, rank: int) -> None:
+    """Queue, on ``pipe``, the push of ``rank`` of ``run_id`` to ``keys.URGENT`` (kept to ``keys.URGENT_MAX``
+    entries); emitters, and the load generator that stands in for them, send it with the records' XADDs."""
+    pipe.rpush(keys.URGENT, keys.urgent_member(run_id, rank))
+    pipe.ltrim(keys.URGENT, -keys.URGENT_MAX, -1)
 
 
 def _check_ranges(*, rank: int, queue_size: int, timeout_s: float, batch_max: int) -> None:
