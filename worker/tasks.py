@@ -17,8 +17,8 @@ keep one queued task per run.
 **Urgent first.** Between two sweeps the sweeping worker waits on ``keys.URGENT`` (``BLPOP``): an emitter pushes
 its rank there with a record that has a non-finite loss or gradient, and the rank's drain (its shard's, in a sharded
 run) is queued at once with :data:`URGENT_PRIORITY`, ahead of the drains already queued (every other task goes with
-:data:`NORMAL_PRIORITY`; kombu's Redis transport reads the lower number first; a RabbitMQ broker ignores both unless
-its queues declare ``x-max-priority``). A shard that holds such a finding for the cross-rank verdict notes when the
+:data:`NORMAL_PRIORITY`; kombu's Redis transport reads the lower number first; a RabbitMQ broker ignores both: its
+queues are not declared with ``x-max-priority``). A shard that holds such a finding for the cross-rank verdict notes when the
 wait runs out (``keys.DUE``); the sweeping worker queues that shard's drain then, and the cross-rank stage's
 release of decided steps goes ahead of the queue too. So a NaN in a 16,384-rank job is read in the first shard
 drain after it was written instead of wherever its shard falls in the sweep's order.
