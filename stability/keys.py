@@ -10,7 +10,7 @@ Per run ``R`` (all keys share the ``stability:{R}`` hash tag, so a Redis Cluster
 * ``stability:{R}:lock``         per-run lease held by the worker that drains the run
 * ``stability:{R}:errors``       stream of rejected (malformed) entries with the reason
 * ``stability:{R}:findings:seen`` set of finding keys ``rank:kind:step`` already published (dedupe on reprocessing)
-* ``stability:{R}:trigger``      marker: a drain task for the run is already queued
+* ``stability:{R}:trigger``      marker: a drain task for the run is already queued (``…:urgent``: an urgent one)
 * ``stability:{R}:advice``       JSON: the worker's latest advice (rollback step, batches to skip), read by the guard
 * ``stability:{R}:profile``      JSON: a profile request (steps, id), polled by the training side
 * ``stability:{R}:quiet``        the newest entry id of the silence episode (all ranks quiet while running) the
@@ -23,7 +23,7 @@ Sharded runs (meta field ``shard_size`` > 0; see :mod:`stability.worker.shards`)
 
 * ``stability:{R}:lock:<S>``     the shard's drain lease (``lock:x``: the cross-rank stage's)
 * ``stability:{R}:state:<S>``    the shard's detector snapshot (``state:x``: the cross-rank stage's)
-* ``stability:{R}:trigger:<S>``  marker: a drain task for the shard is queued
+* ``stability:{R}:trigger:<S>``  marker: a drain task for the shard is queued (``…:urgent``: an urgent one)
 * ``stability:{R}:sum:<S>``      stream of the shard's per-step summaries (msgpack lists), read by the cross-rank stage
 * ``stability:{R}:sumpos:<S>``   hash: the shard's summary watermark (``r<rank>`` last summarized entry id,
   ``progress``, ``idle``, ``ended``)
@@ -153,6 +153,11 @@ def shard_state(run_id: str, shard: int | str) -> str:
 def shard_trigger(run_id: str, shard: int | str) -> str:
     """Marker that a drain task for the shard (or the cross-rank stage) is queued."""
     return f"{trigger(run_id)}:{shard}"
+
+
+def urgent_trigger(run_id: str, shard: int | None = None) -> str:
+    """Marker that an urgent (priority) drain of the run, or of one shard, is queued."""
+    return f"{trigger(run_id) if shard is None else shard_trigger(run_id, shard)}:urgent"
 
 
 def summaries(run_id: str, shard: int) -> str:

@@ -192,6 +192,10 @@ client.zadd(keys.DUE, {keys.urgent_member(run, 1): time.time() + 600})  # shard 
 sweeper = tasks.Sweeper(1.0)
 sweeper.holding = True
 sent = sweeper.serve_urgent(5.0)
+with client.pipeline(transaction=False) as pipe:
+    push_urgent(pipe, run, 14)  # another NaN in shard 3 before its urgent drain started: no second task
+    pipe.execute()
+again = sweeper.serve_urgent(5.0)
 order = []
 with Connection(app.conf.broker_url) as conn:
     queue = conn.SimpleQueue("celery")
@@ -199,7 +203,7 @@ with Connection(app.conf.broker_url) as conn:
         message = queue.get(timeout=10)
         order.append([message.headers["task"], message.payload[0]])
         message.ack()
-print(json.dumps({"normal": normal, "sent": sent, "order": order,
+print(json.dumps({"normal": normal, "sent": sent, "again": again, "order": order,
                   "left": [m.decode() for m in client.zrange(keys.DUE, 0, -1)]}))
 """
 
@@ -207,14 +211,15 @@ print(json.dumps({"normal": normal, "sent": sent, "order": order,
 def test_urgent_drains_are_read_before_the_drains_queued_earlier(redis_server: RedisServer) -> None:
     """A rank that wrote a non-finite record (``keys.URGENT``) and a shard whose held finding is due
     (``keys.DUE``) get their drains queued by the sweeping worker at once, and a real kombu consumer on the real
-    Redis broker reads them before the five drains the sweep had queued (priority 0 against the default 6); the
-    shard not yet due stays in ``keys.DUE``. In a fresh process: the Celery app reads its broker from the
+    Redis broker reads them before the five drains the sweep had queued (priority 0 against the default 6); a
+    second NaN of a shard whose urgent drain is still queued sends nothing more; the shard not yet due stays in
+    ``keys.DUE``. In a fresh process: the Celery app reads its broker from the
     environment."""
     env = {**os.environ, "STABILITY_REDIS_URL": redis_server.url, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", URGENT_PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert (out["normal"], out["sent"]) == (5, 2)
+    assert (out["normal"], out["sent"], out["again"]) == (5, 2, 0)
     assert out["order"][:2] == [["stability.drain_shard", ["hurry", 2, 4]], ["stability.drain_shard", ["hurry", 3, 4]]]
     assert out["order"][2:] == [  # then the sweep's, in their order
         *(["stability.drain_shard", ["hurry", shard, 4]] for shard in range(4)), ["stability.crossrank", ["hurry", 4]]]

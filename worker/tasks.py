@@ -18,9 +18,10 @@ keep one queued task per run.
 its rank there with a record that has a non-finite loss or gradient, and the rank's drain (its shard's, in a sharded
 run) is queued at once with :data:`URGENT_PRIORITY`, ahead of the drains already queued (every other task goes with
 :data:`NORMAL_PRIORITY`; kombu's Redis transport reads the lower number first; a RabbitMQ broker ignores both: its
-queues are not declared with ``x-max-priority``). A shard that holds such a finding for the cross-rank verdict notes when the
-wait runs out (``keys.DUE``); the sweeping worker queues that shard's drain then, and the cross-rank stage's
-release of decided steps goes ahead of the queue too. So a NaN in a 16,384-rank job is read in the first shard
+queues are not declared with ``x-max-priority``), at most one queued per run or shard (``keys.urgent_trigger``).
+A shard that holds such a finding for the cross-rank verdict notes when the wait runs out (``keys.DUE``); the
+sweeping worker queues that shard's drain then, and the cross-rank stage's release of decided steps goes ahead of
+the queue too. So a NaN in a 16,384-rank job is read in the first shard
 drain after it was written instead of wherever its shard falls in the sweep's order.
 """
 
@@ -171,22 +172,32 @@ NORMAL_PRIORITY = 6
 """Every other task's priority (``task_default_priority``, set in :mod:`.app`)."""
 
 
-def _send_urgent(targets: list[tuple[Any, tuple[Any, ...], str | None]]) -> int:
-    """Queue each (task, args, affinity key) with :data:`URGENT_PRIORITY`, whether or not a normal trigger of it is
-    queued already (a second drain finds nothing new: cheap); returns how many were sent."""
+def _send_urgent(targets: list[tuple[str, Any, tuple[Any, ...], str | None]]) -> int:
+    """Queue each (urgent marker, task, args, affinity key) with :data:`URGENT_PRIORITY` unless an urgent one is
+    queued already (a NaN storm must not flood the queue), whether or not a normal trigger is (a second drain finds
+    nothing new: cheap); returns how many were sent. The task clears the marker when it starts."""
     if not targets:
         return 0
     with client().pipeline(transaction=False) as pipe:
-        for _, _, affinity in targets:
+        for marker, _, _, affinity in targets:
+            pipe.set(marker, b"1", nx=True, px=settings.lease_ms)
             pipe.get(affinity) if affinity is not None else pipe.echo(b"")
-        queues = pipe.execute()
-    for (task, args, _), queue in zip(targets, queues, strict=True):
-        if queue:
-            task.apply_async(args, queue=queue.decode() if isinstance(queue, bytes) else str(queue),
-                             priority=URGENT_PRIORITY)
-        else:
-            task.apply_async(args, priority=URGENT_PRIORITY)
-    return len(targets)
+        replies = pipe.execute()
+    sent = 0
+    for (marker, task, args, _), taken, queue in zip(targets, replies[::2], replies[1::2], strict=True):
+        if not taken:
+            continue
+        try:
+            if queue:
+                task.apply_async(args, queue=queue.decode() if isinstance(queue, bytes) else str(queue),
+                                 priority=URGENT_PRIORITY)
+            else:
+                task.apply_async(args, priority=URGENT_PRIORITY)
+        except Exception:
+            client().delete(marker)
+            raise
+        sent += 1
+    return sent
 
 
 def urgent_sweep(urgent: list[bytes], due: list[bytes]) -> int:
@@ -209,14 +220,19 @@ def urgent_sweep(urgent: list[bytes], due: list[bytes]) -> int:
         parsed = keys.parse_urgent(member)
         if parsed is not None and size_of(parsed[0]):
             wanted.setdefault(parsed[0], set()).add(parsed[1])
-    targets: list[tuple[Any, tuple[Any, ...], str | None]] = []
+    targets: list[tuple[str, Any, tuple[Any, ...], str | None]] = []
     for run_id, shards in sorted(wanted.items()):
         for shard in sorted(shards):
             if shard < 0:
-                targets.append((drain, (run_id,), None))
+                targets.append((keys.urgent_trigger(run_id), drain, (run_id,), None))
             else:
-                targets.append((drain_shard, (run_id, shard, sizes[run_id]), keys.shard_affinity(run_id, shard)))
+                targets.append(_urgent_shard(run_id, shard, sizes[run_id]))
     return _send_urgent(targets)
+
+
+def _urgent_shard(run_id: str, shard: int, size: int) -> tuple[str, Any, tuple[Any, ...], str | None]:
+    """The :func:`_send_urgent` item of ``drain_shard`` for ``shard``."""
+    return keys.urgent_trigger(run_id, shard), drain_shard, (run_id, shard, size), keys.shard_affinity(run_id, shard)
 
 
 def _pop_due(now: float) -> list[bytes]:
@@ -369,7 +385,7 @@ def _stop_sweeper(**_: Any) -> None:
 @app.task(name="stability.drain")  # type: ignore[untyped-decorator]
 def drain(run_id: str) -> str:
     """Drain ``run_id``'s streams (see :class:`~stability.worker.drain.Drainer`); return the drain's status."""
-    client().delete(trigger_key(run_id))
+    client().delete(trigger_key(run_id), keys.urgent_trigger(run_id))
     result = Drainer(
         client(), run_id, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms, max_seconds=settings.drain_s,
         snapshot=_snapshot_policy(), diagnoser=_diagnoser(),
@@ -430,7 +446,7 @@ def _log(name: str, result: DrainResult) -> None:
 @app.task(name="stability.drain_shard")  # type: ignore[untyped-decorator]
 def drain_shard(run_id: str, shard: int, size: int) -> str:
     """Drain one shard of a sharded run (:class:`~stability.worker.shards.ShardDrainer`)."""
-    client().delete(keys.shard_trigger(run_id, shard))
+    client().delete(keys.shard_trigger(run_id, shard), keys.urgent_trigger(run_id, shard))
     result = ShardDrainer(
         client(), run_id, shard, size, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms,
         max_seconds=settings.drain_s, snapshot=_snapshot_policy(),
@@ -469,7 +485,7 @@ def _stage(run_id: str, size: int) -> DrainResult:
 def _release(run_id: str, size: int, shards: list[int]) -> None:
     """The cross-rank stage decided the step of findings these shards hold: drain them now (they release them), not
     at the next sweep, ahead of the drains already queued."""
-    _send_urgent([(drain_shard, (run_id, shard, size), keys.shard_affinity(run_id, shard)) for shard in shards])
+    _send_urgent([_urgent_shard(run_id, shard, size) for shard in shards])
 
 
 def _shard_triggers(run_id: str, size: int, shards: list[int]) -> list[tuple[str, Any, tuple[Any, ...], str | None]]:
