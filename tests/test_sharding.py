@@ -201,7 +201,7 @@ with Connection(app.conf.broker_url) as conn:
     queue = conn.SimpleQueue("celery")
     for _ in range(normal + sent):
         message = queue.get(timeout=10)
-        order.append([message.headers["task"], message.payload[0]])
+        order.append([message.headers["task"], message.payload[0], message.payload[1].get("urgent", False)])
         message.ack()
 print(json.dumps({"normal": normal, "sent": sent, "again": again, "order": order,
                   "left": [m.decode() for m in client.zrange(keys.DUE, 0, -1)]}))
@@ -220,9 +220,11 @@ def test_urgent_drains_are_read_before_the_drains_queued_earlier(redis_server: R
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (out["normal"], out["sent"], out["again"]) == (5, 2, 0)
-    assert out["order"][:2] == [["stability.drain_shard", ["hurry", 2, 4]], ["stability.drain_shard", ["hurry", 3, 4]]]
+    assert out["order"][:2] == [["stability.drain_shard", ["hurry", 2, 4], True],
+                                ["stability.drain_shard", ["hurry", 3, 4], True]]
     assert out["order"][2:] == [  # then the sweep's, in their order
-        *(["stability.drain_shard", ["hurry", shard, 4]] for shard in range(4)), ["stability.crossrank", ["hurry", 4]]]
+        *(["stability.drain_shard", ["hurry", shard, 4], False] for shard in range(4)),
+        ["stability.crossrank", ["hurry", 4], False]]
     assert out["left"] == ["hurry\n1"]
 
 

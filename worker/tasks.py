@@ -188,11 +188,8 @@ def _send_urgent(targets: list[tuple[str, Any, tuple[Any, ...], str | None]]) ->
         if not taken:
             continue
         try:
-            if queue:
-                task.apply_async(args, queue=queue.decode() if isinstance(queue, bytes) else str(queue),
-                                 priority=URGENT_PRIORITY)
-            else:
-                task.apply_async(args, priority=URGENT_PRIORITY)
+            route = {"queue": queue.decode() if isinstance(queue, bytes) else str(queue)} if queue else {}
+            task.apply_async(args, {"urgent": True}, priority=URGENT_PRIORITY, **route)
         except Exception:
             client().delete(marker)
             raise
@@ -383,9 +380,10 @@ def _stop_sweeper(**_: Any) -> None:
 
 
 @app.task(name="stability.drain")  # type: ignore[untyped-decorator]
-def drain(run_id: str) -> str:
-    """Drain ``run_id``'s streams (see :class:`~stability.worker.drain.Drainer`); return the drain's status."""
-    client().delete(trigger_key(run_id), keys.urgent_trigger(run_id))
+def drain(run_id: str, urgent: bool = False) -> str:
+    """Drain ``run_id``'s streams (see :class:`~stability.worker.drain.Drainer`); return the drain's status.
+    ``urgent``: sent by :func:`urgent_sweep` (clears its own marker, the queued normal trigger stays)."""
+    client().delete(keys.urgent_trigger(run_id) if urgent else trigger_key(run_id))
     result = Drainer(
         client(), run_id, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms, max_seconds=settings.drain_s,
         snapshot=_snapshot_policy(), diagnoser=_diagnoser(),
@@ -444,9 +442,10 @@ def _log(name: str, result: DrainResult) -> None:
 
 
 @app.task(name="stability.drain_shard")  # type: ignore[untyped-decorator]
-def drain_shard(run_id: str, shard: int, size: int) -> str:
-    """Drain one shard of a sharded run (:class:`~stability.worker.shards.ShardDrainer`)."""
-    client().delete(keys.shard_trigger(run_id, shard), keys.urgent_trigger(run_id, shard))
+def drain_shard(run_id: str, shard: int, size: int, urgent: bool = False) -> str:
+    """Drain one shard of a sharded run (:class:`~stability.worker.shards.ShardDrainer`); ``urgent``: see
+    :func:`drain`."""
+    client().delete(keys.urgent_trigger(run_id, shard) if urgent else keys.shard_trigger(run_id, shard))
     result = ShardDrainer(
         client(), run_id, shard, size, sinks=sinks(), batch=settings.batch, lease_ms=settings.lease_ms,
         max_seconds=settings.drain_s, snapshot=_snapshot_policy(),
