@@ -1,6 +1,7 @@
 """A small re-creation of the pytorch/tutorials recipe "Automatic Mixed Precision" (``recipes/amp_recipe.py``),
 its loop with gradient clipping of unscaled gradients: a stack of ``Linear`` + ``ReLU`` layers, ``MSELoss``,
-``SGD`` (here with momentum 0.9 and lr 0.1, clipped at 1.0, so that it learns within a few hundred steps), the
+``SGD`` (here with momentum 0.9 and lr 0.1, so that it learns within a few hundred steps), clipped at 0.1 as in
+the recipe (every step here), the
 forward under ``torch.autocast`` (here ``"cpu"`` with ``bfloat16``, as on a CPU), and a ``torch.amp.GradScaler``:
 ``scaler.scale(loss).backward(); scaler.unscale_(opt); clip_grad_norm_(net.parameters(), max_norm);
 scaler.step(opt); scaler.update(); opt.zero_grad(set_to_none=True)`` (zero_grad last, as in the recipe).
@@ -51,7 +52,7 @@ def main():
     parser.add_argument("--out-size", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--max-norm", type=float, default=1.0)
+    parser.add_argument("--max-norm", type=float, default=0.1)
     parser.add_argument("--n-batches", type=int, default=50)
     parser.add_argument("--use-amp", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -89,13 +90,13 @@ def main():
                 loss = loss_fn(output, target)
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm=args.max_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm=args.max_norm)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
             if step % 25 == 0:
-                print(f"epoch {epoch} step {step} loss {loss.item():.5f} scale {scaler.get_scale():.0f}",
-                      flush=True)
+                print(f"epoch {epoch} step {step} loss {loss.item():.5f} grad norm {grad_norm.item():.5f} "
+                      f"scale {scaler.get_scale():.0f}", flush=True)
             step += 1
         epoch += 1
 
