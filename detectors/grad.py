@@ -16,6 +16,9 @@
   :func:`~stability.detectors._rolling.level_lower_bound` (a bound of the line's prediction, and of the median in
   the few-points regime, from the window's sorted values) cannot be a candidate, so it is accepted without the fit;
   only values near or over the bound take :meth:`~stability.detectors._rolling.FastBaseline.predict`.
+* ``evidence["onset_loss_ratio"]``: the loss of the onset record over its recent median (``loss_ratio`` is the
+  larger of it and the confirming record's). With the loss up on the very record the norm jumped, and nothing
+  moving before, the ranking reads the jump as a loss spike without precursor (``ranking._data_rules``).
 * Per-layer ``grad_norm/<module>`` is not judged here: :data:`~stability.detectors.update.LAYER_GRAD` (a layer
   20x over its own level) alarms on it, and the ranking uses it (which layer moved first).
 """
@@ -108,7 +111,8 @@ class GradExplosionDetector:
                                       f"rose {times(cand['ratio'])} over its baseline at step {cand['step']} and is "
                                       f"{times(ratio_now)} at step {record.step}",
                                       extra={"confirm_ratio": ratio_now, "loss_ratio": max(cand["loss_ratio"],
-                                                                                         loss_ratio)})]
+                                                                                         loss_ratio),
+                                             "onset_loss_ratio": cand["loss_ratio"]})]
             self._base.accept(record.step, y)
             what = f"one-step jump of {times(cand['ratio'])} at step {cand['step']}"
             if cand["loss_ratio"] >= self.config.loss_ratio:
@@ -133,7 +137,7 @@ class GradExplosionDetector:
         if ratio >= self.config.error_ratio and loss_ratio >= self.config.loss_ratio:
             self._active = {**cand, "last": record.step, "records": 0}
             return [self._finding(record, cand, Severity.ERROR, f"rose {times(ratio)} over its baseline",
-                                  extra={"loss_ratio": loss_ratio})]
+                                  extra={"loss_ratio": loss_ratio, "onset_loss_ratio": loss_ratio})]
         self._pending = cand
         return []
 
@@ -171,7 +175,8 @@ class GradExplosionDetector:
                         f"{cand['step']}; the records end before it could be confirmed", detector=self.name,
                         rank=cand.get("rank", 0), score=cand["ratio"],
                         evidence={"ratio": cand["ratio"], "z": cand["z"], "baseline": baseline,
-                                  "loss_ratio": cand["loss_ratio"], "unconfirmed": 1.0})]
+                                  "loss_ratio": cand["loss_ratio"], "onset_loss_ratio": cand["loss_ratio"],
+                                  "unconfirmed": 1.0})]
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state."""

@@ -19,7 +19,8 @@ signal moved, lead-lag, Granger - are in :mod:`~stability.detectors.evidence`). 
   engine ranks the incident's headline again), or a spike with no precursor -> ``bad_batch`` (weaker when an
   IsolationForest over the global signals isolates the records just before the onset: :mod:`~.oddity`);
   with no LR logged, a spike whose loss and gradient norm keep compounding from the onset on (:func:`_runaway`)
-  is a runaway update -> ``lr_too_high`` (0.65) above ``bad_batch`` (0.45).
+  is a runaway update -> ``lr_too_high`` (0.65) above ``bad_batch`` (0.45). A gradient explosion whose loss jumped
+  >= 1.5x on its onset record is that loss spike seen first on the gradient (:func:`_loss_jumped_with`).
 * global / per-layer grad norm or update ratio rising >= 3x in the ``lead`` steps before (or a per-layer update
   ratio >= 2x and >= 6 robust sigmas of its own log noise) -> ``lr_too_high``; strong when the LR itself jumped or
   rose >= 1.5x (ramp) after the warm-up within 100 steps ("lr rose 23x over the 60 steps before the onset").
@@ -671,10 +672,12 @@ def _data_rules(finding: Finding, history: History, hints: _Hints, precursors: l
         return
     if precursors:
         return
-    if finding.kind == "loss_spike":
+    with_loss = _loss_jumped_with(finding)
+    if finding.kind == "loss_spike" or with_loss is not None:
         ratio = finding.evidence.get("ratio", math.nan)
-        text = (f"loss jumped {ratio:.3g}x at step {finding.onset} with no precursor in gradients, update ratios, "
-                "LR or loss scale")
+        jumped = (f"loss jumped {ratio:.3g}x" if with_loss is None else
+                  f"grad norm jumped {ratio:.3g}x with the loss {with_loss:.3g}x on the same record")
+        text = f"{jumped} at step {finding.onset} with no precursor in gradients, update ratios, LR or loss scale"
         odd = precursor_oddity(history, finding.onset, budget=budget)
         if odd is not None and not odd.checked:  # a storm: every rank spiked at this step
             text += (f"; the multivariate precursor check (IsolationForest) was skipped: it already ran for "
@@ -694,6 +697,24 @@ def _data_rules(finding: Finding, history: History, hints: _Hints, precursors: l
         hints.add("data_shift", 0.35, "the loss stayed elevated after the jump without a gradient precursor")
     elif finding.kind == "divergence":
         hints.add("data_shift", 0.5, "the loss level rose and stayed up without a gradient precursor")
+
+
+LOSS_WITH_GRAD = 1.5
+"""A gradient explosion whose own record's loss is this much over its recent median (the grad detector's
+``loss_ratio``, :class:`~stability.detectors.grad.GradConfig`) is ranked as a loss spike (:func:`_loss_jumped_with`)."""
+
+
+def _loss_jumped_with(finding: Finding) -> float | None:
+    """The loss ratio of a ``grad_explosion`` whose loss jumped on its onset record too (``onset_loss_ratio`` >=
+    :data:`LOSS_WITH_GRAD`), else None. Such a jump is one event seen on two signals: the grad detector, whose 50x
+    norm with the loss up alerts at once, heads the incident before the spike detector (3x for at once, else a
+    confirmation record) can, and the headline's kind must not decide the cause. With no precursor it is the loss
+    spike without precursor of the rule above (a bad batch: the loss and the gradient of one batch jump together;
+    an LR too high moves the gradients first), ranked the same way (oddity, runaway)."""
+    if finding.kind != "grad_explosion":
+        return None
+    ratio = finding.evidence.get("onset_loss_ratio", math.nan)
+    return ratio if ratio >= LOSS_WITH_GRAD else None
 
 
 RUNAWAY_RECORDS = 3

@@ -2,7 +2,8 @@
 
 * post-reduce replicas agree exactly: any disagreement names the faulty replica, at 2, 4 and 8 replicas;
 * a one-step jump that reverts is a bad batch (INFO), whichever detector saw it first, unless the LR moved with it;
-  a jump that stays up is still an error;
+  a jump that stays up is still an error; a gradient explosion with the loss up on its own record and no precursor
+  is a bad batch too;
 * a skipped fp16 overflow step is routine (nothing above INFO) and feeds no baseline, unless the scale keeps
   falling; a non-finite loss on a skipped step is still a NaN event;
 * a cause the finding's own evidence contradicts is never first; a later, stronger incident re-diagnoses a weaker
@@ -142,6 +143,25 @@ def test_a_grad_explosion_that_does_not_revert_stays_an_error(grad_x: float) -> 
         first = serious(alerts)[0]
         assert (first.kind, first.onset, first.severity) == ("grad_explosion", 500, Severity.ERROR)
         assert first.step <= 501
+
+
+@pytest.mark.parametrize("loss_x", [1.0, 2.7])
+def test_a_grad_explosion_with_the_loss_up_on_its_record_and_no_precursor_is_a_bad_batch(loss_x: float) -> None:
+    """The noise batch of ``tests/scripts/vae.py``: the norm 124x and the loss 2.7x on one record (the grad detector
+    alerts at once and heads the incident), then the norm 3x for a while (the optimizer state it disturbed): the
+    loss spike without precursor, seen on the gradient first. With the loss unchanged the norm alone says nothing
+    of the data."""
+    for seed, noise in itertools.product(SEEDS, NOISES):
+        s = series(700, seed, noise)
+        s["loss"][500] *= loss_x
+        s["grad_norm"][500] *= 124.0
+        s["grad_norm"][501:512] *= 3.0
+        alerts, _ = diagnose(to_records(s))
+        first = serious(alerts)[0]
+        assert (first.kind, first.onset, first.severity) == ("grad_explosion", 500, Severity.ERROR), (seed, noise)
+        assert first.step == (500 if loss_x > 1 else 501)  # at once with the loss up, else at its confirmation
+        named = [c.cause for c in first.causes]
+        assert (named[0] == "bad_batch") is (loss_x > 1), (seed, noise, first.causes)
 
 
 def test_a_one_step_jump_with_the_lr_is_not_a_bad_batch() -> None:

@@ -26,6 +26,17 @@ be found with the right kind at the step they were injected.
 * ``mnist.py`` (pytorch/examples mnist): a CNN with dropout, ``Adadelta(lr=1.0)``, ``StepLR`` stepped per epoch
   (the LR drops 0.7x every 50 steps), and a training loss that reaches 1e-3-1e-2 where single batches lift it
   10x: the heavy-tailed regime a clean run must not alarm on.
+* ``vae.py`` (pytorch/examples vae): ``BCE(reduction='sum') + KLD`` summed over the batch (a loss ~500x the batch
+  size that halves within 200 steps), Adam 1e-3. A noise batch moves the gradient norm 124x and the loss 2.7x: the
+  grad-norm explosion heads the incident and names the bad batch. ``binary_cross_entropy`` refuses a NaN: the NaN
+  fault kills the script, recorded as died.
+* ``amp.py`` (pytorch/tutorials Automatic Mixed Precision recipe): ``autocast("cpu", bfloat16)`` and a
+  ``GradScaler``: ``scaler.scale(loss).backward(); scaler.unscale_(opt); clip; scaler.step(opt); scaler.update();
+  opt.zero_grad()`` last, clipped at every step: the loss and the (unclipped) gradient norm recorded unscaled; the NaN
+  batch's step skipped by the scaler.
+* ``gat.py`` (pytorch/examples gat): a graph attention network trained full-batch, one step per epoch, dropout 0.6
+  (a loss swinging 0.77-1.13 between epochs), Adam with weight decay 5e-4, two ``no_grad`` evaluation passes under
+  ``model.eval()`` after each step.
 """
 
 from __future__ import annotations
@@ -411,3 +422,105 @@ def test_forward_forward_fault_in_the_second_phase_is_found(tmp_path: Path, faul
     run = _run(tmp_path, FORWARD_FORWARD, fault)
     kind, cause, slack = EXPECTED[fault]
     _assert_named(run, FF_PHASE + FORWARD_FORWARD.fault_step - (HANDOVER_STEPS - 1), cause, kind=kind, slack=slack)
+
+
+# ------------------------------------------------------------- pytorch/examples vae (a loss summed over the batch)
+
+VAE = Script("vae.py", 200)
+VAE_BATCH = 128
+
+
+def test_vae_clean_run_with_a_summed_loss_raises_nothing(tmp_path: Path) -> None:
+    run = _run(tmp_path, VAE, "none")
+    _assert_captured(run, VAE)
+    losses = [r.get("loss") for r in run.records]
+    assert losses[0] > 400 * VAE_BATCH and losses[-1] < 0.6 * losses[0]  # reduction='sum': ~500 a sample, falling
+    assert "adam_v_ratio/fc21" in run.records[50].signals and "update_ratio/fc4" in run.records[50].signals
+    assert _stability_warnings(run.proc.stderr) == []
+    assert run.serious() == [], run.serious()
+
+
+def test_vae_lr_jump_is_found(tmp_path: Path) -> None:
+    run = _run(tmp_path, VAE, "lr")
+    _assert_found(run, VAE, "lr")
+
+
+def test_vae_noise_batch_is_a_bad_batch(tmp_path: Path) -> None:
+    """The noise batch lifts the gradient norm 124x and the summed loss 2.7x on the same record: the grad detector
+    alerts at once (>= 50x with the loss up) and heads the incident, the loss spike (under 3x: it waits for the next
+    record, which reverted) joins it. Before: the no-precursor rule spoke for a loss-spike headline only, so this
+    one was ranked ``unknown``."""
+    run = _run(tmp_path, VAE, "batch")
+    assert len(run.records) == VAE.steps
+    _assert_named(run, VAE.fault_step, "bad_batch", kind="grad_explosion")
+    head = next(e for e in run.serious() if e["onset"] == VAE.fault_step)
+    assert "loss_spike" in head["kinds"], head
+
+
+def test_vae_killed_by_a_nan_pixel_is_recorded_as_died_at_its_last_step(tmp_path: Path) -> None:
+    run = _run(tmp_path, VAE, "nan", dies=True)  # the NaN reconstruction is refused by binary_cross_entropy
+    reason = "RuntimeError: all elements of input should be between 0 and 1"
+    assert reason in run.proc.stderr
+    assert [r.step for r in run.records] == list(range(VAE.fault_step))
+    status = runstate.read_status_file(run.run_dir)
+    assert status is not None and status.status == runstate.DIED and status.step == VAE.fault_step - 1
+    assert status.reason.startswith(reason)
+    assert run.serious() == [], run.serious()
+
+
+# ------------------------------------------------ AMP recipe (bf16 autocast, GradScaler, unscale_ + clip, zero last)
+
+AMP = Script("amp.py", 300)
+
+
+def _printed(stdout: str) -> dict[int, tuple[float, float]]:
+    """Step -> (loss, the norm ``clip_grad_norm_`` returned), as the script prints them every 25 steps."""
+    lines = re.finditer(r"^epoch \d+ step (\d+) loss (\S+) grad norm (\S+)", stdout, re.M)
+    return {int(m[1]): (float(m[2]), float(m[3])) for m in lines}
+
+
+def test_amp_clean_run_records_unscaled_values_and_raises_nothing(tmp_path: Path) -> None:
+    run = _run(tmp_path, AMP, "none")
+    _assert_captured(run, AMP)
+    printed = _printed(run.proc.stdout)
+    assert len(printed) == AMP.steps // 25
+    for step, (loss, norm) in printed.items():  # scaler.scale(loss) (x65536) went into backward()
+        assert run.records[step].get("loss") == pytest.approx(loss, abs=1e-5), step  # unscaled
+        assert run.records[step].get("grad_norm") == pytest.approx(norm, rel=1e-4), step  # after unscale_, unclipped
+        assert norm > 0.1  # the recipe's max_norm: clipped at every step
+    assert all(r.get("loss_scale") == 2.0**16 and r.get("skipped") == 0 for r in run.records)
+    assert run.records[-1].get("loss") < 0.7 * run.records[0].get("loss")
+    assert _stability_warnings(run.proc.stderr) == []
+    assert run.serious() == [], run.serious()
+
+
+@pytest.mark.parametrize("fault", sorted(EXPECTED))
+def test_amp_fault_is_found(tmp_path: Path, fault: str) -> None:
+    run = _run(tmp_path, AMP, fault)
+    assert len(run.records) == AMP.steps
+    _assert_found(run, AMP, fault)
+    if fault == "nan":  # the scaler skipped the step and halved its scale; training went on
+        at = run.records[AMP.fault_step]
+        assert at.get("skipped") == 1 and run.records[AMP.fault_step + 1].get("loss_scale") == 2.0**15
+
+
+# ------------------------------------------------------- pytorch/examples gat (full batch, one step per epoch)
+
+GAT = Script("gat.py", 200)
+
+
+def test_gat_clean_full_batch_run_with_dropout_noise_raises_nothing(tmp_path: Path) -> None:
+    run = _run(tmp_path, GAT, "none")
+    _assert_captured(run, GAT)  # the two no_grad evaluation passes after each step make no record
+    losses = [r.get("loss") for r in run.records[100:]]
+    assert max(losses) > 1.3 * min(losses)  # dropout 0.6 on a fixed full batch: a noisy loss
+    assert "grad_norm/gat1" in run.records[50].signals and "adam_v_ratio/gat2" in run.records[50].signals
+    assert _stability_warnings(run.proc.stderr) == []
+    assert run.serious() == [], run.serious()
+
+
+@pytest.mark.parametrize("fault", sorted(EXPECTED))
+def test_gat_fault_is_found(tmp_path: Path, fault: str) -> None:
+    run = _run(tmp_path, GAT, fault)
+    assert len(run.records) == GAT.steps
+    _assert_found(run, GAT, fault)
