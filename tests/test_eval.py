@@ -269,6 +269,20 @@ def test_families_splits_are_disjoint_varied_unaligned_and_the_test_split_is_fro
     assert frozen == manifest() and frozen["families_version"] == FAMILIES_VERSION
 
 
+def test_a_held_out_families_split_takes_only_new_seeds_and_is_built_as_the_test_split():
+    from stability.evaluation.families import TEMPLATES, holdout_specs, test_specs
+
+    held = holdout_specs((400, 401))
+    assert len(held) == 2 * len(TEMPLATES) and {s.seed for s in held} == {400, 401}
+    assert not {s.key() for s in held} & {s.key() for s in test_specs()}
+    assert {s.backend for s in held if s.ranks > 1} == {"gloo"}
+    for used in ((300,), (101, 400), ()):
+        with pytest.raises(ValueError, match="held-out seeds must be new"):
+            holdout_specs(used)
+    with pytest.raises(SystemExit, match="--seeds 7,304: held-out seeds must be new"):
+        main(["--corpus", "families", "--seeds", "7,304"])
+
+
 @pytest.fixture(scope="module")
 def families_ci(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     """The families CI subset generated once (real capture) and scored by ``main --corpus families --ci``."""

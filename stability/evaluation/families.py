@@ -49,6 +49,7 @@ __all__ = [
     "FAULTS",
     "TEMPLATES",
     "TEST_SEEDS",
+    "holdout_specs",
     "FamilySpec",
     "Template",
     "calib_specs",
@@ -274,6 +275,16 @@ def calib_specs() -> list[FamilySpec]:
 def test_specs() -> list[FamilySpec]:
     """The test split (frozen: ``docs/test-corpus-manifest.json``): every template with :data:`TEST_SEEDS`."""
     return [spec_for(t, s, backend=TEST_BACKEND) for s in TEST_SEEDS for t in TEMPLATES]
+
+
+def holdout_specs(seeds: tuple[int, ...]) -> list[FamilySpec]:
+    """A held-out split: every template with ``seeds`` (none of :data:`CALIB_SEEDS` / :data:`TEST_SEEDS`), built as
+    the test split is (real gloo replicas): runs nobody has looked at, to check that published figures hold."""
+    used = set(CALIB_SEEDS) | set(TEST_SEEDS)
+    if not seeds or used & set(seeds):
+        raise ValueError(f"held-out seeds must be new, got {sorted(seeds)} (calibration {CALIB_SEEDS}, test "
+                         f"{TEST_SEEDS})")
+    return [spec_for(t, s, backend=TEST_BACKEND) for s in seeds for t in TEMPLATES]
 
 
 _CI = {"clean-moe-fp16": 240, "clean-lstm": 200, "bad-batch-late": 200, "lr-spike": 160, "lr-drift": 360,

@@ -249,7 +249,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
                         help="families corpus: write the calibration runs (records + labels) to DIR")
     parser.add_argument("--full", action="store_true", help="the full corpus (more seeds/variants; slow)")
     parser.add_argument("--json", type=Path, help="write every number to this JSON file")
-    parser.add_argument("--seeds", help="comma-separated seeds for the full corpus (e.g. 5,6,7: held-out runs)")
+    parser.add_argument("--seeds", help="comma-separated seeds for the full corpus (e.g. 5,6,7: held-out runs); with "
+                                        "--corpus families: a held-out split of new seeds (e.g. 400,401), no real logs")
     parser.add_argument("--cache", type=Path, help="cache directory of generated runs")
     parser.add_argument("--real-runs", type=Path, help="directory of the real logs (default: shared/data)")
     parser.add_argument("--no-real", action="store_true", help="skip the real logs")
@@ -293,7 +294,7 @@ def _payload(ev: Evaluation, corpus: str, goals: Sequence[Target]) -> dict[str, 
 
 def _main_families(args: argparse.Namespace, out: TextIO, progress: Callable[[str], None]) -> int:
     """``--corpus families``: generate/score one split (or both, side by side), or the CI subset."""
-    from stability.evaluation.families import calib_specs, generate_families, test_specs
+    from stability.evaluation.families import calib_specs, generate_families, holdout_specs, test_specs
     from stability.evaluation.families import ci_specs as family_ci
     from stability.evaluation.family_eval import (
         export_calibration,
@@ -303,15 +304,22 @@ def _main_families(args: argparse.Namespace, out: TextIO, progress: Callable[[st
     )
 
     protocol = Protocol(any_severity=True)
-    splits = ["ci"] if args.ci else ["calib", "test"] if args.split == "all" else [args.split]
+    splits = (["ci"] if args.ci else ["holdout"] if args.seeds else ["calib", "test"] if args.split == "all"
+              else [args.split])
     done: dict[str, tuple[Evaluation, list[GeneratedRun]]] = {}
     ok = True
     for split in splits:
-        specs = {"ci": family_ci, "calib": calib_specs, "test": test_specs}[split]()
+        if split == "holdout":
+            try:
+                specs = holdout_specs(tuple(int(x) for x in args.seeds.split(",")))
+            except ValueError as exc:
+                raise SystemExit(f"stability eval: --seeds {args.seeds}: {exc}") from None
+        else:
+            specs = {"ci": family_ci, "calib": calib_specs, "test": test_specs}[split]()
         runs = generate_families(specs, args.cache, progress)
         if split == "calib" and args.export_calib:
             progress(f"exported {export_calibration(runs, args.export_calib)} runs to {args.export_calib}")
-        if not args.no_real and split != "ci":
+        if not args.no_real and split in ("calib", "test"):
             runs += load_real(args.real_runs or default_data_dir(), split=split)
         ev = evaluate(runs, protocol)
         goals = family_targets(ev, runs)
