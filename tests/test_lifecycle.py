@@ -198,7 +198,10 @@ def test_a_sigterm_while_the_session_opens_still_records_the_reason(tmp_path: Pa
         assert (status.status, status.reason, status.pid) == (runstate.DIED, "SIGTERM", os.getpid())
         assert status.describe() == "died (SIGTERM)"
     finally:
-        silent.close()
+        silent.close()  # now refused: the session opens (records spool) and records the end itself
+    assert sink.wait(60) is not None and sink.session is not None
+    status = runstate.read_status_file(run_dir)
+    assert status is not None and (status.status, status.reason) == (runstate.DIED, "SIGTERM")
 
 
 def test_exception_records_died_and_clean_stop(tmp_path: Path) -> None:
