@@ -477,6 +477,21 @@ class Capture:
         self._step_hook_targets = None
         if self._reader is not None and not self._reader.close(timeout):
             logger.warning("stability: capture closed with records still pending after %.1f s", timeout)
+        self._release()
+
+    def _release(self) -> None:
+        """Drop every reference to the user's objects: the model, the optimizers, the parameters, their snapshot
+        copy (one more copy of the weights on the device), the step's tensors. A capture sits in reference cycles
+        (its bound methods are held by its reader and timing helpers), so whatever it held lived on until the
+        garbage collector ran, after the user had let go of the model."""
+        self._roots = []
+        self._layout, self._layout_has_optimizer = None, False
+        self._step_hook_targets = None
+        self._state = StepState()
+        self._scaled = self._scaler_call = None
+        self._closure = None
+        self._follow.release()
+        self._measure.release()
 
     def __enter__(self) -> Capture:
         return self

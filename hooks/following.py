@@ -97,6 +97,11 @@ class Following:
         self._foreign_run: tuple[int, int] = (0, 0)
         """id of the other optimizer that stepped since the tracked one last did, and how many times in a row."""
 
+    def release(self) -> None:
+        """Forget the optimizers (the capture closed: nothing of the user's may stay reachable from it)."""
+        self.optimizer, self.co = None, []
+        self._same_params.clear()
+
     def start(self, optimizer: torch.optim.Optimizer | None) -> None:
         """``attach``: ``optimizer`` is the only one followed; None: auto mode (every optimizer's steps are seen)."""
         self._auto = optimizer is None

@@ -60,6 +60,13 @@ class Measure:
         """Step and squared per-tensor parameter norms after the last sampled step's update."""
         self._clip_order: tuple[ParamLayout, tuple[int, ...], torch.Tensor | None] | None = None
 
+
+    def release(self) -> None:
+        """Drop the snapshot copy of the parameters and the cached per-layout tensors (the capture closed)."""
+        self.snapshot_buffers = None
+        self._param_sq_norms = None
+        self._clip_order = None
+
     def grads(self, layout: ParamLayout, state: StepState, step: int, given: list[torch.Tensor | None] | None = None,
               *, layers: bool = True, norms: torch.Tensor | None = None) -> None:
         """Global and per-module gradient norms and the non-finite count, on the device.

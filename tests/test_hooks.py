@@ -3,9 +3,11 @@ error containment, the bounded reader queue and the no-host-sync rule. Training 
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import threading
+import types
 
 import pytest
 import torch
@@ -251,6 +253,43 @@ def test_close_removes_every_hook_and_patch():
     assert global_hook_counts() == hooks_before
     model = tiny_gpt()
     train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)  # training after close is untouched
+
+
+def _reaches(root: object, targets: list[object]) -> list[str]:
+    """Type names along a path of references from ``root`` to any of ``targets`` (empty: none); modules, classes
+    and functions' globals are not followed (everything is reachable through them), closures are."""
+    ids = {id(t) for t in targets}
+    seen: set[int] = set()
+    todo: list[tuple[object, list[str]]] = [(root, [])]
+    while todo:
+        obj, path = todo.pop()
+        if id(obj) in ids:
+            return [*path, type(obj).__name__]
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):
+            children: list[object] = [c.cell_contents for c in obj.__closure__ or ()]
+        else:
+            children = [c for c in gc.get_referents(obj) if not (isinstance(c, dict) and "__builtins__" in c)]
+        todo += [(child, [*path, type(obj).__name__]) for child in children]
+    return []
+
+
+def test_a_closed_capture_keeps_nothing_of_the_users_alive():
+    """After ``close`` the model, the optimizer, the parameters and their snapshot copy are not reachable from the
+    capture: it sits in reference cycles (its bound methods are held by its own helpers) that only the garbage
+    collector frees, and what it held lived as long (an FSDP1 model's process group then died during interpreter
+    teardown and aborted the process)."""
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cap = Capture(WatchConfig(run_id="rel", stats_every=1), ListSink()).attach(model, opt)
+    train(model, opt, 3)
+    targets: list[object] = [model, opt, *model.parameters()]
+    assert _reaches(cap, targets)  # while attached: the model, the snapshot buffers' layout, the optimizer
+    cap.close()
+    assert _reaches(cap, targets) == []
+    assert cap.step == 3  # what it counted stays readable
 
 
 def test_explicit_mode_hooks_go_on_the_given_objects_and_are_removed():
