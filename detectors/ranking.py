@@ -567,6 +567,20 @@ def _update_jump_rule(finding: Finding, history: History, hints: _Hints, moves: 
     else:
         hints.add("lr_too_high", 0.6, f"{where} while the logged lr did not change: the effective step size grew",
                   finding.signal)
+        grown = _attention_grew(history, finding.onset)
+        if grown is not None and lr_rise(history, finding.onset) is None:
+            hints.add("attention_logit_growth", 0.7, f"{where} while the logged lr did not change and {grown[0]} "
+                                                     f"grew {grown[1]:.3g}x over the steps before", grown[0])
+
+
+def _attention_grew(history: History, t0: int) -> tuple[str, float] | None:
+    """The attention logit series that grew the most over the 48 steps before ``t0``, if it grew at least
+    :data:`PRECURSOR_GROWTH` (an update-ratio jump at a constant LR after the logits grew is their growth catching
+    up with every layer, not a step size that grew by itself)."""
+    grown = [(n, pair[1] / pair[0]) for n in modules(history.modules, "attn_logit_max")
+             if (pair := _growth(history.modules, n, t0 - 1)) is not None and pair[0] > 0]
+    best = max(grown, key=lambda g: g[1], default=None)
+    return best if best is not None and best[1] >= PRECURSOR_GROWTH else None
 
 
 def _localized_attention(finding: Finding, history: History, hints: _Hints, event: str, rises: list[Move]) -> None:

@@ -637,3 +637,19 @@ def test_weights_moved_by_a_bad_batch_gradient_are_not_blamed_on_hardware() -> N
     assert jumps and jumps[0].causes[0].cause == "bad_batch", jumps[0].causes
     [incident] = [i for i in diag.incidents if i.onset >= 370]
     assert incident.headline.kind == "loss_spike" and incident.headline.causes[0].cause == "bad_batch"
+
+
+def test_an_update_ratio_jump_in_every_layer_after_the_logits_grew_is_attention_growth() -> None:
+    """LR unchanged; one layer's attention logits grew 3x over the 60 steps before (under the growth detector's
+    4x), then every layer's update ratio jumps at once: the logits' growth catching up with the whole model (the
+    families corpus' attn-growth runs), not a step size that grew by itself. Without the logit growth the same jump
+    stays lr_too_high (the test above)."""
+    s = layered()
+    s["attn_logit_max/h.0"][430:] *= np.minimum(np.exp(0.0185 * np.arange(N - 430)), 3.0)
+    for name in [n for n in s if n.startswith("update_ratio/")]:
+        s[name][490:] *= 12.0
+    _, diag = diagnose(s)
+    jump = next(f for i in diag.incidents for f in i.findings if f.kind == "update_ratio_jump")
+    causes = [c.cause for c in jump.causes]
+    assert causes[0] == "attention_logit_growth", jump.causes
+    assert "attn_logit_max/h.0 grew" in jump.causes[0].evidence and "lr_too_high" in causes[1:]
