@@ -53,12 +53,17 @@ def find_move(ring: Ring, name: str, onset: int, *, factor: float, lead_steps: i
 
     The window is the last ``lead_records`` records before ``onset`` or the last ``lead_steps`` steps, whichever
     reaches further back, plus ``onset`` itself. The reference is the median of up to ``ref_points`` positive
-    values before the window (the first value of the history when nothing precedes the window).
+    values before the window (the first value of the history when nothing precedes the window); a crossing must
+    also lie outside every reference value (above their maximum for a rise, below their minimum for a fall). A
+    signal that is exactly 0 on most records up to ``onset`` (intermittent) has no move.
     """
     if name not in ring.series:
         return None
     steps, values = ring.ordered(), ring.ordered(name).astype(np.float64)
-    keep = (steps <= onset) & np.isfinite(values) & (values > 0)
+    finite = (steps <= onset) & np.isfinite(values)
+    if 2 * int(np.count_nonzero(values[finite] == 0)) > int(np.count_nonzero(finite)):
+        return None  # intermittent (an MoE expert routed no tokens on most steps): its values have no level
+    keep = finite & (values > 0)
     steps, values = steps[keep], values[keep]
     if len(steps) < 2:
         return None
@@ -72,8 +77,12 @@ def find_move(ring: Ring, name: str, onset: int, *, factor: float, lead_steps: i
         ref, scan = values[:1], np.arange(len(steps)) >= 1
     elif len(ref) < _MIN_REF:  # a sampled signal (every 25 steps) with 1-2 values left in the history: no reference
         return None
-    ratios = values[scan] / float(np.median(ref))
-    hit = ratios >= factor if rise else ratios <= 1.0 / factor
+    level = float(np.median(ref))
+    ratios = values[scan] / level
+    # beyond the reference's own range too: a heavy-tailed signal (a small CNN's gradient norm, p90 at 3.7x its
+    # median) crosses 3x its median by chance; a move is a value the reference never reached
+    outside = values[scan] > ref.max() if rise else values[scan] < ref.min()
+    hit = (ratios >= factor if rise else ratios <= 1.0 / factor) & outside
     if not hit.any():
         return None
     first = int(np.argmax(hit))

@@ -479,13 +479,20 @@ root-causes.md #8). Later instabilities of such a run get no warm-up hint (a fin
 common and usually fine)."""
 
 
+def _no_warmup(history: History) -> bool:
+    """The records start at the run's start (step <= :data:`NO_WARMUP_START`) and the LR did not ramp up (or for
+    at most that many steps)."""
+    lr, first = history.lr, history.first_step
+    token = lr.warmup_end is not None and lr.warmup_end <= NO_WARMUP_START
+    return first is not None and first <= NO_WARMUP_START and lr.records > 0 and (not lr.ramp_started or token)
+
+
 def _warmup_rule(history: History, hints: _Hints, t0: int, event: str) -> None:
     """Instability while the LR warms up, within 3x the warm-up, or early in a run with no (or a token) warm-up
     -> ``warmup_too_short``."""
     lr, first = history.lr, history.first_step
     from_start = first is not None and first <= NO_WARMUP_START and lr.records > 0
-    token = lr.warmup_end is not None and lr.warmup_end <= NO_WARMUP_START
-    if from_start and (not lr.ramp_started or token) and t0 <= NO_WARMUP_STEPS:
+    if _no_warmup(history) and t0 <= NO_WARMUP_STEPS:
         what = "no LR warm-up" if not lr.ramp_started else f"a {plural(lr.warmup_end or 0, 'step')} LR warm-up"
         hints.add("warmup_too_short", 0.8, f"{event} at step {t0} of a run with {what} (peak lr {lr.peak:.3g}): "
                                            "Adam's second moment has not settled yet", "lr")
@@ -763,7 +770,8 @@ def _reverted_rule(finding: Finding, history: History, hints: _Hints, recent: Se
     """A one-step jump that reverted at the next step (whichever signal jumped: loss, grad norm) is a bad batch
     (0.93: above the structural findings of an incident it may have joined, e.g. an unrelated vanishing-gradient
     warning 70 steps earlier; below a loss-scale collapse, which makes overflow steps), unless the LR changed with
-    it or another data-parallel replica disagrees at that step (then 0.5: the LR / hardware rules say more)."""
+    it or another data-parallel replica disagrees at that step, or it came in the first
+    :data:`NO_WARMUP_START` steps of a run with no warm-up (then 0.5: the LR / hardware / warm-up rules say more)."""
     t0, lr = finding.onset, history.lr
     text = (f"one-step jump at step {t0} with no lasting effect: it reverted at the next step, not an instability "
             "of the run")
@@ -771,6 +779,9 @@ def _reverted_rule(finding: Finding, history: History, hints: _Hints, recent: Se
         hints.add("bad_batch", 0.5, f"{text}; but the lr changed at step {lr.last_jump}")
     elif any(f.kind == "rank_disagreement" and abs(f.step - t0) <= 1 for f in recent):
         hints.add("bad_batch", 0.5, f"{text}; but the data-parallel replicas disagree at that step")
+    elif t0 <= NO_WARMUP_START and _no_warmup(history):
+        hints.add("bad_batch", 0.5, f"{text}; but at step {t0} of a run with no LR warm-up the optimizer's moments "
+                                    "rest on a few batches: any batch can jump the loss")
     else:
         hints.add("bad_batch", 0.93, text)
 

@@ -45,6 +45,24 @@ def test_one_step_jump_without_precursor_is_a_bad_batch() -> None:
     assert finding.skip_batches == ("b500",) and finding.rollback_step == 499
 
 
+def test_a_jump_that_reverts_in_the_first_steps_of_a_run_without_warm_up_points_at_the_warm_up() -> None:
+    """At step 4 of a run with no LR warm-up Adam's moments rest on four batches: a reverting jump there is not
+    evidence of a bad batch (bad_batch 0.5, under the no-warm-up prior's 0.8). Past step 10 the reverted rule holds
+    again (0.93), and a run with a warm-up is not affected."""
+    for at, cause, score in ((4, "warmup_too_short", 0.5), (12, "bad_batch", 0.93)):
+        s = base()
+        s["loss"][at] *= 2.0
+        _, diag = diagnose(s)
+        [finding] = diag.incidents[0].findings
+        assert finding.onset == at and finding.causes[0].cause == cause, finding.causes
+        assert next(c.score for c in finding.causes if c.cause == "bad_batch") == score
+    s = base()
+    s["lr"][:40] = np.linspace(1e-5, 1e-3, 40)
+    s["loss"][4] *= 2.0
+    _, diag = diagnose(s)
+    assert diag.incidents[0].findings[0].causes[0].cause == "bad_batch", diag.incidents[0].findings[0].causes
+
+
 def test_sustained_spike_without_precursor_is_a_bad_batch() -> None:
     s = base()
     s["loss"][500:504] *= 2.0
@@ -653,3 +671,35 @@ def test_an_update_ratio_jump_in_every_layer_after_the_logits_grew_is_attention_
     causes = [c.cause for c in jump.causes]
     assert causes[0] == "attention_logit_growth", jump.causes
     assert "attn_logit_max/h.0 grew" in jump.causes[0].evidence and "lr_too_high" in causes[1:]
+
+
+def test_a_move_must_leave_the_range_of_its_reference_and_an_intermittent_signal_has_none() -> None:
+    """``find_move``: a heavy-tailed gradient norm (a small CNN's, p90 several times its median) crossing 3x its
+    median within the values it already took is no precursor; the same crossing beyond them is. An MoE expert that
+    receives no tokens on most steps (grad norm exactly 0) has no level to move from."""
+    from stability.detectors.evidence import find_move
+    from stability.detectors.history import Ring
+
+    rng = np.random.default_rng(3)
+    heavy = np.exp(rng.normal(0.0, 1.0, 120))  # median ~1, max of 112 draws ~10-15x
+    heavy[:112] = np.minimum(heavy[:112], 8.0)
+    heavy[112:] = 1.0
+
+    def ring_of(values: np.ndarray) -> Ring:
+        ring = Ring(128, 4)
+        for step, v in enumerate(values):
+            ring.push(step, {"grad_norm/x": float(v)})
+        return ring
+
+    heavy[116] = 4.0  # 4x the median, inside the reference's range (up to 8)
+    assert find_move(ring_of(heavy), "grad_norm/x", 119, factor=3.0, lead_steps=8) is None
+    heavy[116] = 9.0  # beyond it
+    move = find_move(ring_of(heavy), "grad_norm/x", 119, factor=3.0, lead_steps=8)
+    assert move is not None and move.step == 116 and move.lead == 3
+
+    expert = np.zeros(120)
+    expert[::7] = 0.003 * np.exp(rng.normal(0.0, 0.3, len(expert[::7])))
+    expert[116] = 0.03  # 10x its typical nonzero value, on one of the few steps it got tokens
+    assert find_move(ring_of(expert), "grad_norm/x", 119, factor=3.0, lead_steps=8) is None
+    expert[expert == 0] = 0.003  # the same values on a signal that is never 0: a move
+    assert find_move(ring_of(expert), "grad_norm/x", 119, factor=3.0, lead_steps=8) is not None
