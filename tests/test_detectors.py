@@ -397,3 +397,27 @@ def test_a_candidate_whose_next_record_is_far_away_is_unconfirmed_not_reverted()
     assert "210 steps later" in serious(alerts)[0].message
     alerts, _ = run(steps_of([6.40, 6.50, 11.42, 6.45], [6999, 7000, 7010, 7011]))  # next step: reverted
     assert serious(alerts) == []
+
+
+# the grad norm and loss of tests/scripts/siamese.py without its batch norm, seed 2, steps 0-44 (Adadelta lr 1.0):
+# a plateau at chance (loss 0.69, grad norm ~0.25), then the grad norm climbs 4x as the net leaves it (steps 19-25)
+SIAMESE_GRAD = [1.411, 1.525, 1.345, 0.1484, 0.2487, 0.252, 0.1418, 0.2619, 0.2331, 0.174, 0.164, 0.2805, 0.2223,
+                0.3196, 0.1594, 0.1589, 0.2683, 0.3071, 0.2494, 0.3866, 0.2624, 0.3269, 0.3857, 0.6076, 0.508, 1.016,
+                4.337, 0.9883, 0.4928, 0.5349, 0.992, 0.7491, 0.8574, 2.116, 5.655, 1.308, 0.6576, 0.5931, 0.6622,
+                0.9908, 0.8473, 1.948, 2.342, 2.867, 2.599]
+SIAMESE_LOSS = [0.7362, 0.7348, 0.742, 0.6914, 0.6921, 0.6991, 0.6909, 0.6999, 0.6946, 0.6911, 0.6928, 0.696,
+                0.6939, 0.6987, 0.6901, 0.6867, 0.6805, 0.6964, 0.6831, 0.6943, 0.6732, 0.6677, 0.6563, 0.6576,
+                0.6127, 0.5369, 0.8187, 0.6854, 0.5838, 0.5306, 0.4363, 0.4003, 0.2628, 0.3757, 0.726, 0.5517,
+                0.4442, 0.3412, 0.2951, 0.272, 0.8473, 0.3265, 0.402, 0.3, 0.3197]
+
+
+def test_a_grad_jump_back_at_the_value_before_it_reverted_though_the_baseline_lags_a_rising_series() -> None:
+    """Step 26's 4.3 (15x the median of the 26 points before, most of them the plateau's) is back at 0.99 at step 27,
+    no higher than step 25's 1.02, with the loss back too: it reverted at once (INFO, a bad batch). Before: 0.99 is
+    3.5x the frozen median, a level the series had already reached without any alarm, so it "confirmed" a WARNING
+    grad_explosion (ranked warmup_too_short) on a clean run."""
+    recs = records(np.array(SIAMESE_LOSS[:40]), np.array(SIAMESE_GRAD[:40]))
+    alerts, _ = run(recs)
+    assert serious(alerts) == [], serious(alerts)
+    grad = [a for a in alerts if a.kind == "grad_explosion"]
+    assert [(a.onset, a.evidence.get("reverted")) for a in grad] == [(26, 1.0)], grad

@@ -37,6 +37,16 @@ be found with the right kind at the step they were injected.
 * ``gat.py`` (pytorch/examples gat): a graph attention network trained full-batch, one step per epoch, dropout 0.6
   (a loss swinging 0.77-1.13 between epochs), Adam with weight decay 5e-4, two ``no_grad`` evaluation passes under
   ``model.eval()`` after each step.
+* ``siamese.py`` (pytorch/examples siamese_network): one shared tower run twice a forward (two images a pair), the
+  embeddings concatenated, ``BCELoss`` on a sigmoid similarity, ``Adadelta(lr=1.0)`` and ``StepLR`` per epoch. The
+  NaN fault kills the script (``BCELoss`` refuses a NaN), recorded as died. Without its batch norm the grad norm
+  climbs 4x as the net leaves its plateau at chance and a one-step blip back at the previous value was "confirmed"
+  against the lagging baseline (``tests/test_detectors.py``, SIAMESE_GRAD).
+* ``super_resolution.py`` (pytorch/examples super_resolution): the sub-pixel CNN (``PixelShuffle``), orthogonal
+  init, ``MSELoss`` on [0, 1] pixels falling to ~5e-3, ``Adam(lr=0.01)``.
+* ``translation.py`` (pytorch/tutorials translation_transformer): ``nn.Transformer`` sequence-first with a float
+  causal mask and key-padding masks, ``CrossEntropyLoss(ignore_index=PAD, label_smoothing=0.1)``, Adam with an
+  inverse-square-root warm-up through ``LambdaLR``; the NaN fault is a NaN in the float ``tgt_mask``.
 """
 
 from __future__ import annotations
@@ -524,3 +534,86 @@ def test_gat_fault_is_found(tmp_path: Path, fault: str) -> None:
     run = _run(tmp_path, GAT, fault)
     assert len(run.records) == GAT.steps
     _assert_found(run, GAT, fault)
+
+
+# ---------------------------------------- pytorch/examples siamese_network (two towers, BCELoss, Adadelta + StepLR)
+
+SIAMESE = Script("siamese.py", 200)
+
+
+def test_siamese_clean_two_tower_run_raises_nothing(tmp_path: Path) -> None:
+    run = _run(tmp_path, SIAMESE, "none")
+    _assert_captured(run, SIAMESE)  # one forward of the model runs the shared tower twice
+    losses = [r.get("loss") for r in run.records]
+    assert losses[0] > 0.6 and max(losses[-50:]) < 0.2  # BCE from chance (log 2) to near zero
+    lrs = [r.get("lr") for r in run.records]
+    assert lrs[0] == 1.0 and lrs[60] == pytest.approx(0.7) and lrs[-1] == pytest.approx(0.343)  # StepLR per epoch
+    assert "grad_norm/conv1" in run.records[50].signals and "grad_norm/fc.2" in run.records[50].signals
+    assert _stability_warnings(run.proc.stderr) == []
+    assert run.serious() == [], run.serious()
+
+
+@pytest.mark.parametrize("fault", ["lr", "batch"])  # nan: the script dies of it (next test)
+def test_siamese_fault_is_found(tmp_path: Path, fault: str) -> None:
+    run = _run(tmp_path, SIAMESE, fault)
+    assert len(run.records) == SIAMESE.steps
+    _assert_found(run, SIAMESE, fault)
+
+
+def test_siamese_killed_by_its_own_nan_is_recorded_as_died_at_its_last_step(tmp_path: Path) -> None:
+    run = _run(tmp_path, SIAMESE, "nan", dies=True)  # BCELoss refuses the NaN probability
+    reason = "RuntimeError: all elements of input should be between 0 and 1"
+    assert reason in run.proc.stderr
+    assert [r.step for r in run.records] == list(range(SIAMESE.fault_step))
+    status = runstate.read_status_file(run.run_dir)
+    assert status is not None and status.status == runstate.DIED and status.step == SIAMESE.fault_step - 1
+    assert status.reason.startswith(reason)
+    assert run.serious() == [], run.serious()
+
+
+# ------------------------------------------------ pytorch/examples super_resolution (PixelShuffle, MSE, Adam 0.01)
+
+SUPER_RES = Script("super_resolution.py", 200)
+
+
+def test_super_resolution_clean_run_raises_nothing(tmp_path: Path) -> None:
+    run = _run(tmp_path, SUPER_RES, "none")
+    _assert_captured(run, SUPER_RES)
+    losses = [r.get("loss") for r in run.records]
+    assert max(losses[-20:]) < 0.1 * losses[0]  # MSE on [0, 1] pixels, falling 10x and more
+    assert "grad_norm/conv4" in run.records[50].signals and "adam_v_ratio/conv1" in run.records[50].signals
+    assert _stability_warnings(run.proc.stderr) == []
+    assert run.serious() == [], run.serious()
+
+
+@pytest.mark.parametrize("fault", sorted(EXPECTED))
+def test_super_resolution_fault_is_found(tmp_path: Path, fault: str) -> None:
+    run = _run(tmp_path, SUPER_RES, fault)
+    assert len(run.records) == SUPER_RES.steps
+    _assert_found(run, SUPER_RES, fault)
+
+
+# --------------------- pytorch/tutorials translation_transformer (nn.Transformer, masks, label smoothing, warm-up)
+
+TRANSLATION = Script("translation.py", 200)
+
+
+def test_translation_clean_run_with_warmup_and_label_smoothing_raises_nothing(tmp_path: Path) -> None:
+    run = _run(tmp_path, TRANSLATION, "none")
+    _assert_captured(run, TRANSLATION)
+    lrs = [r.get("lr") for r in run.records]
+    assert lrs[0] == pytest.approx(2.5e-5) and max(lrs) == pytest.approx(lrs[39]) == pytest.approx(1e-3)
+    assert lrs[-1] == pytest.approx(1e-3 * (40 / 200) ** 0.5)  # linear warm-up, then inverse square root
+    losses = [r.get("loss") for r in run.records]
+    assert min(losses[-20:]) > 1.0 and max(losses[-20:]) < 0.7 * losses[0]  # falling, far from zero
+    assert "grad_norm/generator" in run.records[50].signals
+    assert _stability_warnings(run.proc.stderr) == []
+    assert run.serious() == [], run.serious()
+
+
+# batch: random words lift the label-smoothed loss 1.5x and it is back at once: an INFO loss_spike ranked bad_batch
+@pytest.mark.parametrize("fault", sorted(EXPECTED))
+def test_translation_fault_is_found(tmp_path: Path, fault: str) -> None:
+    run = _run(tmp_path, TRANSLATION, fault)
+    assert len(run.records) == TRANSLATION.steps
+    _assert_found(run, TRANSLATION, fault)
