@@ -282,9 +282,13 @@ def test_nan_names_the_same_signal_whatever_the_column_order() -> None:
         names.add(finding.signal)
     assert names == {"act_absmax/h.3.attn"}  # forward before backward, closest to the input
     no_act = {k: v for k, v in signals.items() if not k.startswith("act_")}
+    [finding] = NanDetector().update(StepRecord(run_id="r", step=5, signals=no_act))
+    # a NaN loss makes every gradient NaN: no gradient names where it came from; the loss does, and says so
+    assert finding.signal == "loss" and "the gradients of 3 module(s) followed" in finding.message
+    no_act["loss"] = 2.5  # a finite loss: the NaN arose in the backward pass, which starts at the output
     for order in (sorted(no_act.items()), sorted(no_act.items(), reverse=True)):
         [finding] = NanDetector().update(StepRecord(run_id="r", step=5, signals=dict(order)))
-        assert finding.signal == "grad_norm/h.10.attn"  # gradients: the backward pass starts at the output
+        assert finding.signal == "grad_norm/h.10.attn"
     with_head = {**no_act, "grad_norm/lm_head": float("nan"), "param_norm/wte": float("nan")}
     [finding] = NanDetector().update(StepRecord(run_id="r", step=5, signals=with_head))
     assert finding.signal == "grad_norm/lm_head"

@@ -85,7 +85,11 @@ def main():
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--fault", choices=["none", "nan", "batch"], default="none")
     parser.add_argument("--fault-step", type=int, default=None)
+    parser.add_argument("--start-method", choices=["fork", "spawn", "forkserver"], default=None,
+                        help="multiprocessing start method (W&B's hogwild examples and Python >= 3.14 don't fork)")
     args = parser.parse_args()
+    if args.start_method:
+        mp.set_start_method(args.start_method, force=True)
     if args.fault_step is None:
         args.fault_step = int(args.steps * 0.6)
 
