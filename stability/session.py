@@ -106,6 +106,8 @@ class Session:
     forked: bool = False
     """A forked child's session (Hogwild, :meth:`LazySession.fork_child`): it only emits; the parent owns Redis,
     the worker and the run's end."""
+    owner_lock: int | None = None
+    """The descriptor holding the run directory's owner lock (:func:`_claim_run_dir`), released at :meth:`close`."""
 
     @classmethod
     def open(cls, config: WatchConfig, *, fork_rank: int | None = None) -> Session:
@@ -116,12 +118,15 @@ class Session:
             rank, local_rank = fork_rank, -1  # like a second local rank: no server, no worker, no console
         run_dir = make_private_dir(config.resolved_run_dir.resolve())
         supervisor = None
+        owner: int | None = None
         if config.redis_url is not None:
             url = config.redis_url
             if local_rank == 0:
                 supervisor = _start_watchdog(config, run_dir)
         elif local_rank == 0:
-            supervisor = _start_supervisor(config, run_dir)
+            supervisor, owner = _own_run_dir(config, run_dir)
+            if supervisor is None:  # another process of this host owns the run dir's Redis: join it like a local rank
+                local_rank = -1
         # imported while the supervisor starts the embedded Redis (redis-py alone takes 0.1-0.3 s to import)
         from stability import runstate
         from stability.console import ConsoleReporter
@@ -129,7 +134,12 @@ class Session:
 
         if config.redis_url is None:
             if supervisor is not None:
-                url = _supervisor_url(supervisor, run_dir)
+                try:
+                    url = _supervisor_url(supervisor, run_dir)
+                except BaseException:
+                    if owner is not None:
+                        os.close(owner)
+                    raise
             else:
                 url = _wait_for_url(run_dir / "redis" / URL_FILE)
         local_worker = supervisor is not None and config.local_worker and config.redis_url is None
@@ -153,7 +163,8 @@ class Session:
         )
         log.info("stability: run %s, rank %d, records -> %s, run dir %s", config.run_id, rank, url, run_dir)
         return cls(config=config, run_dir=run_dir, redis_url=url, emitter=emitter, rank=rank, supervisor=supervisor,
-                   local_worker=local_worker, reporter=reporter, forked=fork_rank is not None)
+                   local_worker=local_worker, reporter=reporter, forked=fork_rank is not None,
+                   owner_lock=owner if supervisor is not None else None)
 
     def close(self, timeout: float = DRAIN_WAIT_S, *, died: str | None = None, wait_drained: bool = True,
               flush_s: float | None = None) -> None:
@@ -165,6 +176,15 @@ class Session:
         seconds, record the end, print the summary line and return; the local supervisor sees this process go,
         lets the worker finish the run (findings.json, report.html) and then stops it and redis-server.
         """
+        try:
+            self._close(timeout, died=died, wait_drained=wait_drained, flush_s=flush_s)
+        finally:
+            if self.owner_lock is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self.owner_lock)
+                self.owner_lock = None
+
+    def _close(self, timeout: float, *, died: str | None, wait_drained: bool, flush_s: float | None) -> None:
         if self.forked:  # the rank's end (``ended:<rank>``) is the emitter's; the run's is the parent's
             self.emitter.close(timeout=min(timeout, EXIT_FLUSH_S if flush_s is None else flush_s))
             return
@@ -472,6 +492,42 @@ def _run_meta(config: WatchConfig, run_dir: Path) -> dict[str, str]:
         meta["wandb_project"] = project
         meta["wandb_mode"] = mode
     return meta
+
+
+OWNER_LOCK = "owner.lock"
+"""``<run dir>/redis/owner.lock``: held (``flock``) by the one process of the host that starts the run directory's
+supervisor, embedded Redis and local worker."""
+
+
+def _claim_run_dir(run_dir: Path) -> int | None:
+    """An exclusive lock on the run directory's :data:`OWNER_LOCK` (its descriptor), or None when another process
+    holds it. Local rank 0 normally comes from the launcher; ``torch.multiprocessing.spawn`` (the PyTorch DDP
+    tutorial) sets no ``LOCAL_RANK``, so every spawned rank read itself as local rank 0 and started a supervisor and
+    a console of its own on one run directory. The first to claim it owns them; the others join its Redis."""
+    import fcntl
+
+    path = run_dir / "redis" / OWNER_LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _own_run_dir(config: WatchConfig, run_dir: Path) -> tuple[subprocess.Popen[bytes] | None, int | None]:
+    """(the supervisor, the owner lock) when this process claims the run directory (:func:`_claim_run_dir`);
+    ``(None, None)`` when another process owns it."""
+    owner = _claim_run_dir(run_dir)
+    if owner is None:
+        return None, None
+    try:
+        return _start_supervisor(config, run_dir), owner
+    except BaseException:
+        os.close(owner)
+        raise
 
 
 def _start_supervisor(config: WatchConfig, run_dir: Path) -> subprocess.Popen[bytes]:

@@ -51,6 +51,7 @@ be found with the right kind at the step they were injected.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -61,6 +62,7 @@ from pathlib import Path
 import pytest
 
 from stability import postmortem, runstate, supervisor
+from stability.embedded import free_port
 from stability.hooks.capture import HANDOVER_STEPS
 from stability.records import StepRecord
 
@@ -294,6 +296,41 @@ def test_mnist_hogwild_fault_in_one_process_is_found_on_its_rank(tmp_path: Path,
     assert found and found[0]["causes"][0]["cause"] == cause, run.events
     assert [e for e in run.serious() if e["rank"] == 2 and e["onset"] < lo] == []
     assert [e for e in run.serious() if e["kind"] in ("rank_disagreement", "straggler", "hang")] == []
+
+
+# ------------------------------------- pytorch/tutorials ddp_tutorial (torch.multiprocessing.spawn, no LOCAL_RANK)
+
+DDP_TUTORIAL = Script("ddp_tutorial.py", 80)
+
+
+def _console_starts(run: Run) -> list[str]:
+    return [line for line in (run.proc.stdout + run.proc.stderr).splitlines()
+            if line.startswith("stability: run ") and " -> " in line]
+
+
+def test_ddp_tutorial_spawned_ranks_share_one_embedded_redis_and_a_clean_run_raises_nothing(tmp_path: Path) -> None:
+    """``mp.spawn`` sets no ``LOCAL_RANK``: before, both ranks read themselves as local rank 0 and each started a
+    supervisor, a worker and a console on the one run directory (two start and two summary lines, the run's last
+    step unknown). Now the first to claim the run directory owns them and the other joins its Redis."""
+    run = _run(tmp_path, DDP_TUTORIAL, "none", "--port", str(free_port()))
+    assert len(_console_starts(run)) == 1, run.proc.stderr[-3000:]
+    by_rank: dict[int, list[int]] = {}
+    for record in run.records:
+        by_rank.setdefault(record.rank, []).append(record.step)
+    assert {rank: sorted(steps) for rank, steps in by_rank.items()} == {
+        0: list(range(DDP_TUTORIAL.steps)), 1: list(range(DDP_TUTORIAL.steps))}
+    status = json.loads((run.run_dir / "status.json").read_text())
+    assert (status["status"], status["step"]) == ("finished", DDP_TUTORIAL.steps - 1)
+    assert _stability_warnings(run.proc.stderr) == []
+    assert run.serious() == [], run.serious()
+
+
+def test_ddp_tutorial_nan_on_one_spawned_rank_is_found(tmp_path: Path) -> None:
+    run = _run(tmp_path, DDP_TUTORIAL, "nan", "--port", str(free_port()))
+    lo = DDP_TUTORIAL.fault_step
+    found = [e for e in run.serious() if e["kind"] == "nan" and e["onset"] == lo]
+    assert found and found[0]["causes"][0]["cause"] == "numerical_nan", run.events
+    assert [e for e in run.serious() if e["onset"] < lo] == []
 
 
 # ---------------------------------------------------------------------- DCGAN (two optimizers, adversarial losses)
