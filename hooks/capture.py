@@ -118,6 +118,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from stability._children import child_ordinal
 from stability.config import WatchConfig
 from stability.errors import RecordError
 from stability.hooks import stats, torch_patches
@@ -1090,7 +1091,8 @@ class Capture:
 
     def _metadata(self) -> tuple[int, dict[str, int], str]:
         if self._meta is None:
-            self._meta = (*_rank_and_coords(self._rank_arg, self._coords_arg), socket.gethostname())
+            self._meta = (*_rank_and_coords(self._rank_arg, self._coords_arg, spawned=not self._forked),
+                          socket.gethostname())
         return self._meta
 
     def _record_error(self, exc: BaseException, where: str) -> None:
@@ -1112,8 +1114,10 @@ class Capture:
                 logger.debug("stability: stopping the watchdog failed", exc_info=True)
 
 
-def _rank_and_coords(rank: int | None, extra: Mapping[str, int]) -> tuple[int, dict[str, int]]:
-    """Rank and coordinates from ``torch.distributed`` when initialized, else ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``."""
+def _rank_and_coords(rank: int | None, extra: Mapping[str, int], *, spawned: bool = True) -> tuple[int, dict[str, int]]:
+    """Rank and coordinates from ``torch.distributed`` when initialized, else ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``,
+    else (``spawned``: not a capture inherited by ``os.fork``, whose rank :meth:`Capture._adopt_fork` derives) the
+    ordinal of a ``multiprocessing`` child (:func:`~stability._children.child_ordinal`)."""
     coords: dict[str, int] = {}
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -1124,6 +1128,9 @@ def _rank_and_coords(rank: int | None, extra: Mapping[str, int]) -> tuple[int, d
         world = _env_int("WORLD_SIZE", -1)
         if world >= 1:
             coords["world_size"] = world
+        ordinal = child_ordinal() if rank is None and spawned else None
+        if ordinal is not None:  # a multiprocessing child training on its own (Hogwild started with spawn)
+            found_rank, coords[FORK] = ordinal, ordinal
     local = _env_int("LOCAL_RANK", -1)
     if local >= 0:
         coords["local_rank"] = local

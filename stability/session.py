@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stability import keys
+from stability._children import child_ordinal
 from stability._files import make_private_dir, open_private, write_private_text
 from stability.config import WatchConfig
 from stability.errors import EmbeddedServerError
@@ -80,6 +81,9 @@ def rank_from_env() -> tuple[int, int, int]:
             return dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), dist.get_world_size()
     except Exception:  # pragma: no cover - torch without distributed
         pass
+    ordinal = child_ordinal()
+    if ordinal is not None:  # a multiprocessing child training on its own: its own rank, it may own the run dir
+        return ordinal, 0, 1
     env = os.environ
     local = int(env.get("LOCAL_RANK", "0"))
     for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
@@ -243,14 +247,16 @@ class Session:
             return
         client = _quick_client(self.redis_url, 2.0)
         try:
+            # whichever rank records the end mirrors Redis's verdict into its run dir (the last to close may be any
+            # rank: spawned Hogwild processes, or an mp.spawn rank 1 that outlives rank 0)
             if died is not None:
-                runstate.mark(client, self.config.run_id, runstate.DIED, reason=died, run_dir=run_dir)
+                runstate.mark(client, self.config.run_id, runstate.DIED, reason=died, run_dir=self.run_dir)
                 return
             ranks: Any = client.smembers(keys.ranks(self.config.run_id))
             fields = [f"ended:{int(r)}" for r in ranks]
             ended: Any = client.hmget(keys.meta(self.config.run_id), fields) if fields else []
             if all(ended):
-                runstate.mark(client, self.config.run_id, runstate.FINISHED, run_dir=run_dir)
+                runstate.mark(client, self.config.run_id, runstate.FINISHED, run_dir=self.run_dir)
         except (redis.RedisError, OSError) as exc:
             log.info("stability: could not record the end of run %s (%s)", self.config.run_id, exc)
             if run_dir is not None:  # ``stability replay`` carries it to Redis with the spool

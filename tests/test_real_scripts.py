@@ -273,15 +273,35 @@ def test_mnist_hogwild_processes_are_recorded_as_ranks_of_their_own_and_a_clean_
     assert run.serious() == [], run.serious()  # no rank_disagreement, straggler or hang between the processes
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: spawn/forkserver children re-import the script, each opens a "
-                   "session of its own as rank 0 of the parent's run (records rejected as duplicates)")
-def test_mnist_hogwild_spawned_processes_are_recorded_as_ranks_of_their_own(tmp_path: Path) -> None:
-    """The same script with ``mp.set_start_method("spawn")`` (W&B's Hogwild examples; Python 3.14's default is
-    forkserver): each child imports ``stability.auto`` again instead of inheriting the parent's capture."""
-    run = _run(tmp_path, HOGWILD, "none", "--start-method", "spawn")
-    ranks = sorted({r.rank for r in run.records})
-    assert len(ranks) == 2 and len(run.records) == 2 * HOGWILD.steps, (ranks, len(run.records))
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_mnist_hogwild_spawned_processes_are_recorded_as_ranks_of_their_own(tmp_path: Path, method: str) -> None:
+    """The same script with ``mp.set_start_method("spawn")`` (W&B's Hogwild examples) or ``"forkserver"`` (Python
+    3.14's default): each child imports the script, so ``stability.auto``, again instead of inheriting the parent's
+    capture. Before: every child was rank 0 of the parent's run (records rejected as duplicates, two consoles).
+    Now each is the rank of its ``multiprocessing`` ordinal with the ``fork`` coordinate, as a forked child is; the
+    first to claim the run directory owns its Redis and the other joins; the last to end records the run's end."""
+    run = _run(tmp_path, HOGWILD, "none", "--start-method", method)
+    by_rank: dict[int, list[StepRecord]] = {}
+    for record in run.records:
+        by_rank.setdefault(record.rank, []).append(record)
+    assert sorted(by_rank) == sorted(HOGWILD_RANKS), run.proc.stderr[-3000:]
+    for rank, records in by_rank.items():
+        assert [r.step for r in records] == list(range(HOGWILD.steps)), rank
+        assert all(r.coords.get("fork") == HOGWILD_RANKS[rank] for r in records)
     assert "rejected as duplicates" not in run.proc.stderr
+    assert len(_console_starts(run)) == 1, run.proc.stderr[-3000:]
+    status = json.loads((run.run_dir / "status.json").read_text())
+    assert (status["status"], status["step"]) == ("finished", HOGWILD.steps - 1)
+    assert _stability_warnings(run.proc.stderr) == []
+    assert run.serious() == [], run.serious()
+
+
+def test_mnist_hogwild_nan_in_a_spawned_process_is_found_on_its_rank(tmp_path: Path) -> None:
+    run = _run(tmp_path, HOGWILD, "nan", "--start-method", "spawn")
+    lo = HOGWILD.fault_step
+    found = [e for e in run.serious() if e["kind"] == "nan" and e["rank"] == 2 and e["onset"] == lo]
+    assert found and found[0]["causes"][0]["cause"] == "numerical_nan", run.events
+    assert [e for e in run.serious() if e["rank"] == 2 and e["onset"] < lo] == []
 
 
 @pytest.mark.parametrize("fault", ["nan", "batch"])
