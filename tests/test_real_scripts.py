@@ -22,7 +22,10 @@ be found with the right kind at the step they were injected.
 * ``forward_forward.py`` (pytorch/examples mnist_forward_forward): one Adam per layer, layers trained one after
   the other: the second layer's optimizer becomes the tracked one (a new phase), faults in that phase are found.
 * ``mnist_hogwild.py`` (pytorch/examples mnist_hogwild): the parent forks two processes that train one shared
-  model (each its own SGD), then only tests it: each child is recorded as a rank of its own (``fork`` coordinate).
+  model (each its own SGD), then only tests it: each child is recorded as a rank of its own (``fork`` coordinate);
+  with ``--start-method spawn|forkserver`` each child imports the script again and is recorded the same way.
+* ``ddp_tutorial.py`` (pytorch/tutorials ddp_tutorial): ``torch.multiprocessing.spawn`` of gloo DDP ranks, which
+  sets no ``LOCAL_RANK``: one process owns the run directory's Redis, worker and console; the others join it.
 * ``mnist.py`` (pytorch/examples mnist): a CNN with dropout, ``Adadelta(lr=1.0)``, ``StepLR`` stepped per epoch
   (the LR drops 0.7x every 50 steps), and a training loss that reaches 1e-3-1e-2 where single batches lift it
   10x: the heavy-tailed regime a clean run must not alarm on.
