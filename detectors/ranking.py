@@ -206,16 +206,7 @@ def rank_causes(finding: Finding, history: History, recent: Sequence[Finding] = 
         hints.add("adam_second_moment", 0.7, finding.message, finding.signal)
     precursors += _recent_hints(finding, history, hints, recent, event)
     if finding.kind == "nan":
-        what = f"{finding.signal} became {finding.value} at step {finding.step}"
-        raised = _lr_raised_just_before(history, t0)
-        if scale is not None and scale.lead > 0:
-            hints.add("fp16_loss_scale", 0.95, f"{describe(scale, event)}; then {what}")
-            hints.add("numerical_nan", 0.7, what)
-        elif raised is not None:
-            hints.add("lr_too_high", 0.9, f"{raised}; then {what}", "lr")
-            hints.add("numerical_nan", 0.75, what)
-        else:
-            hints.add("numerical_nan", 0.95, f"{what}; no loss-scale collapse before it")
+        _nan_rule(finding, history, hints, scale, event)
     elif finding.kind in ("loss_spike", "divergence", "grad_explosion", "activation_growth",
                           "attention_logit_growth", "update_ratio_jump", "adam_v_lag"):
         if scale is not None:
@@ -506,6 +497,27 @@ def _warmup_rule(history: History, hints: _Hints, t0: int, event: str) -> None:
                                            f"{event}: the LR schedule before them is unknown (an instability soon "
                                            "after the warm-up is common)")
 
+
+def _nan_rule(finding: Finding, history: History, hints: _Hints, scale: Move | None, event: str) -> None:
+    """A NaN: ``fp16_loss_scale`` first after a loss-scale collapse, ``lr_too_high`` right after an LR raise, else
+    ``numerical_nan`` (0.95). When no module is named and the run samples forward statistics, says how to get one."""
+    what = f"{finding.signal} became {finding.value} at step {finding.step}"
+    if "/" not in finding.signal and any(n.startswith(FORWARD_STATS) for n in history.modules.series):
+        what += (" (no forward statistics on that step name the module: STABILITY_STATS_EVERY=1 samples them on "
+                 "every step)")
+    raised = _lr_raised_just_before(history, finding.onset)
+    if scale is not None and scale.lead > 0:
+        hints.add("fp16_loss_scale", 0.95, f"{describe(scale, event)}; then {what}")
+        hints.add("numerical_nan", 0.7, what)
+    elif raised is not None:
+        hints.add("lr_too_high", 0.9, f"{raised}; then {what}", "lr")
+        hints.add("numerical_nan", 0.75, what)
+    else:
+        hints.add("numerical_nan", 0.95, f"{what}; no loss-scale collapse before it")
+
+
+FORWARD_STATS = ("act_absmax/", "act_rms/", "attn_logit_max/")
+"""Per-module statistics of the forward pass: the first non-finite one names where a NaN arose."""
 
 CONTRADICTED = 0.15
 """Score of a cause whose own evidence contradicts it: below ``unknown`` (0.2), so it is never the first cause."""

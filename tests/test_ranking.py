@@ -703,3 +703,26 @@ def test_a_move_must_leave_the_range_of_its_reference_and_an_intermittent_signal
     assert find_move(ring_of(expert), "grad_norm/x", 119, factor=3.0, lead_steps=8) is None
     expert[expert == 0] = 0.003  # the same values on a signal that is never 0: a move
     assert find_move(ring_of(expert), "grad_norm/x", 119, factor=3.0, lead_steps=8) is not None
+
+
+def test_a_nan_loss_that_names_no_module_says_how_to_get_one_named() -> None:
+    """The loss and every gradient NaN on a step without forward statistics: the NaN finding names the loss
+    (``NanDetector``), and its evidence says how to get the module named; a log source with no per-module forward
+    statistics at all gets no such advice."""
+    import math
+
+    def run(stats: bool) -> str:
+        diag, alerts = RunDiagnoser(), []
+        for step in range(60):
+            signals = {"loss": 2.0, "grad_norm": 1.0, "grad_norm/a": 0.5, "grad_norm/b": 0.4}
+            if stats and step % 25 == 0:
+                signals["act_absmax/a"] = 3.0
+            if step == 40:
+                signals = {k: (math.nan if k.startswith(("loss", "grad")) else v) for k, v in signals.items()}
+            alerts += diag.update(StepRecord(run_id="r", step=step, signals=signals))
+        [nan] = [a for a in alerts if a.kind == "nan"]
+        assert nan.signal == "loss" and nan.causes[0].cause == "numerical_nan"
+        return nan.causes[0].evidence
+
+    assert "STABILITY_STATS_EVERY=1" in run(stats=True)
+    assert "STABILITY_STATS_EVERY" not in run(stats=False)
