@@ -392,3 +392,35 @@ def test_one_side_of_a_game_rising_is_not_a_divergence_but_still_spikes() -> Non
     assert any(f.kind == "divergence" for r in records(False) for f in alone.update(r))  # a single objective: yes
     assert "divergence" not in kinds(records(True))  # the discriminator's loss as its generator improves: no
     assert "loss_spike" in kinds(records(True, spike_at=120))  # spikes are still spikes
+
+
+# --- MoE experts --------------------------------------------------------------------------------------------------
+
+
+def test_an_moe_experts_gradient_swinging_with_its_routed_tokens_is_no_layer_jump() -> None:
+    """An expert's gradient and update follow the tokens routed to it: none on most steps, a few, then many (a 30x
+    swing). The per-layer gradient and update-ratio detectors leave experts out; the same series on a dense layer
+    still jumps, and an expert's weights (param_jump) are still judged."""
+    from stability.detectors.update import LAYER_GRAD, PARAM_JUMP, UPDATE_RATIO, LayerJumpConfig, LayerJumpDetector
+
+    rng = np.random.default_rng(5)
+
+    def records(module: str) -> list[StepRecord]:
+        out = []
+        for step in range(200):
+            tokens = 30 if step == 150 else 0 if rng.random() < 0.5 else 1
+            grad = 0.01 * tokens * float(np.exp(rng.normal(0, 0.05)))
+            signals = {"loss": 2.0, "lr": 1e-3, f"grad_norm/{module}": grad, f"update_ratio/{module}": 1e-3 * grad,
+                       f"param_norm/{module}": 3.0 if step != 150 else 60.0}
+            out.append(StepRecord(run_id="r", step=step, signals=signals))
+        return out
+
+    def judge(config: LayerJumpConfig, module: str) -> list[Finding]:
+        detector = LayerJumpDetector(config)
+        return [f for r in records(module) for f in detector.update(r)]
+
+    for config in (LAYER_GRAD, UPDATE_RATIO):
+        fired = {module: judge(config, module) for module in ("blocks.1.experts.3.w1", "blocks.1.mlp.w1")}
+        assert fired["blocks.1.experts.3.w1"] == [], (config.name, fired)
+        assert fired["blocks.1.mlp.w1"], config.name
+    assert [f.onset for f in judge(PARAM_JUMP, "blocks.1.experts.3.w1")] == [150]
