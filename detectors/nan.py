@@ -97,8 +97,8 @@ def _first_nonfinite(record: StepRecord) -> tuple[str, float] | None:
     """The first non-finite checked signal, chosen independently of the order of the record's signals.
 
     Per-module signals come first (they name a module), ordered by :func:`signal_order` (the order in which a NaN
-    reaches them within a step); with a non-finite loss and every module's gradient non-finite, only forward ones
-    (activations, attention logits): the gradients of a non-finite loss all are, whatever module it came from.
+    reaches them within a step); with a non-finite loss only forward ones (activations, attention logits): the
+    gradients of a non-finite loss are, whatever module it came from.
     Otherwise the first non-finite global signal in :data:`_CHECKED_GLOBALS` order, then ``nonfinite_grads > 0``.
     """
     if math.isfinite(layout(record)[1].sum()):  # every signal is finite (a non-finite one makes the sum one)
@@ -107,11 +107,10 @@ def _first_nonfinite(record: StepRecord) -> tuple[str, float] | None:
             return "nonfinite_grads", count
         return None
     skipped = record.get("skipped", 0.0) > 0
-    # a non-finite loss makes every gradient non-finite: the backward and optimizer sides then say nothing of where
-    # the NaN came from (naming the output head's gradient would send the reader to the wrong end of the model)
-    grads = [v for n, v in record.signals.items() if n.startswith("grad_norm/")]
-    forward_only = (not math.isfinite(record.signals.get("loss", 0.0)) and bool(grads)
-                    and not any(math.isfinite(v) for v in grads))
+    # a non-finite loss makes the gradients computed from it non-finite: the backward and optimizer sides then say
+    # nothing of where the NaN came from (naming the output head's gradient would send the reader to the wrong end
+    # of the model). Decided from the non-finite signals alone: the fast post-mortem drops quiet finite columns.
+    forward_only = not math.isfinite(record.signals.get("loss", 0.0))
     modules = [name for name, value in record.signals.items() if "/" in name and not math.isfinite(value)
                and not (skipped and name.partition("/")[0] in _BACKWARD)
                and not (forward_only and _PHASES.get(name.partition("/")[0], 3) > 0)]

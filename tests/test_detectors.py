@@ -117,7 +117,7 @@ def test_nan_names_the_module_and_rearms_after_finite_steps() -> None:
                                                           "grad_norm/h.0.mlp": 1.0, "grad_norm/h.2.attn": module})
 
     assert det.update(rec(0, 1.0)) == []
-    [first] = det.update(rec(1, math.inf, loss=math.nan))
+    [first] = det.update(rec(1, math.inf))  # a finite loss: the gradient that went non-finite names the module
     assert first.signal == "grad_norm/h.2.attn" and "h.2.attn" in first.message
     assert det.update(rec(2, math.nan)) == []  # same incident
     for step in range(3, 22):
