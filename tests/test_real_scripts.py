@@ -157,6 +157,14 @@ def _assert_found(run: Run, script: Script, fault: str) -> None:
     assert early == [], early  # nothing serious before the fault
 
 
+def _run_and_find(tmp_path: Path, script: Script, fault: str) -> Run:
+    """Run ``script`` with ``fault``: every step recorded, the fault found as :data:`EXPECTED` says."""
+    run = _run(tmp_path, script, fault)
+    assert len(run.records) == script.steps
+    _assert_found(run, script, fault)
+    return run
+
+
 def _assert_named(run: Run, at: int, cause: str, *, kind: str | None = None, slack: int = 0) -> None:
     """A warning/error with its onset in ``[at, at + slack]`` (of ``kind``, if given) names ``cause`` first, and
     nothing serious comes before ``at``."""
@@ -182,9 +190,7 @@ def test_word_lm_clean_run_is_captured_without_an_optimizer_and_raises_nothing(t
 
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
 def test_word_lm_fault_is_found(tmp_path: Path, fault: str) -> None:
-    run = _run(tmp_path, WORD_LM, fault)
-    assert len(run.records) == WORD_LM.steps
-    _assert_found(run, WORD_LM, fault)
+    _run_and_find(tmp_path, WORD_LM, fault)
 
 
 # ----------------------------------------------------------------------------------- nanoGPT (accumulation 4)
@@ -211,9 +217,7 @@ def test_nanogpt_clean_run_records_the_undivided_loss_and_raises_nothing(tmp_pat
 
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
 def test_nanogpt_fault_is_found(tmp_path: Path, fault: str) -> None:
-    run = _run(tmp_path, NANOGPT, fault)
-    assert len(run.records) == NANOGPT.steps
-    _assert_found(run, NANOGPT, fault)
+    _run_and_find(tmp_path, NANOGPT, fault)
 
 
 # --------------------------------------------------------------------- nn tutorial (hand update, zero_grad last)
@@ -391,9 +395,7 @@ def test_dcgan_clean_run_tracks_the_discriminator_loss_only_and_raises_nothing(t
 
 @pytest.mark.parametrize("fault", ["lr", "batch"])  # nan: the script dies of it (next test)
 def test_dcgan_fault_is_found(tmp_path: Path, fault: str) -> None:
-    run = _run(tmp_path, DCGAN, fault)
-    assert len(run.records) == DCGAN.steps
-    _assert_found(run, DCGAN, fault)
+    _run_and_find(tmp_path, DCGAN, fault)
 
 
 def test_dcgan_killed_by_its_own_nan_is_recorded_as_died_at_its_last_step(tmp_path: Path) -> None:
@@ -591,9 +593,7 @@ def test_amp_clean_run_records_unscaled_values_and_raises_nothing(tmp_path: Path
 
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
 def test_amp_fault_is_found(tmp_path: Path, fault: str) -> None:
-    run = _run(tmp_path, AMP, fault)
-    assert len(run.records) == AMP.steps
-    _assert_found(run, AMP, fault)
+    run = _run_and_find(tmp_path, AMP, fault)
     if fault == "nan":  # the scaler skipped the step and halved its scale; training went on
         at = run.records[AMP.fault_step]
         assert at.get("skipped") == 1 and run.records[AMP.fault_step + 1].get("loss_scale") == 2.0**15
@@ -616,9 +616,7 @@ def test_gat_clean_full_batch_run_with_dropout_noise_raises_nothing(tmp_path: Pa
 
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
 def test_gat_fault_is_found(tmp_path: Path, fault: str) -> None:
-    run = _run(tmp_path, GAT, fault)
-    assert len(run.records) == GAT.steps
-    _assert_found(run, GAT, fault)
+    _run_and_find(tmp_path, GAT, fault)
 
 
 # ---------------------------------------- pytorch/examples siamese_network (two towers, BCELoss, Adadelta + StepLR)
@@ -640,9 +638,7 @@ def test_siamese_clean_two_tower_run_raises_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fault", ["lr", "batch"])  # nan: the script dies of it (next test)
 def test_siamese_fault_is_found(tmp_path: Path, fault: str) -> None:
-    run = _run(tmp_path, SIAMESE, fault)
-    assert len(run.records) == SIAMESE.steps
-    _assert_found(run, SIAMESE, fault)
+    _run_and_find(tmp_path, SIAMESE, fault)
 
 
 def test_siamese_killed_by_its_own_nan_is_recorded_as_died_at_its_last_step(tmp_path: Path) -> None:
@@ -673,9 +669,7 @@ def test_super_resolution_clean_run_raises_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
 def test_super_resolution_fault_is_found(tmp_path: Path, fault: str) -> None:
-    run = _run(tmp_path, SUPER_RES, fault)
-    assert len(run.records) == SUPER_RES.steps
-    _assert_found(run, SUPER_RES, fault)
+    _run_and_find(tmp_path, SUPER_RES, fault)
 
 
 # --------------------- pytorch/tutorials translation_transformer (nn.Transformer, masks, label smoothing, warm-up)
@@ -699,9 +693,7 @@ def test_translation_clean_run_with_warmup_and_label_smoothing_raises_nothing(tm
 # batch: random words lift the label-smoothed loss 1.5x and it is back at once: an INFO loss_spike ranked bad_batch
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
 def test_translation_fault_is_found(tmp_path: Path, fault: str) -> None:
-    run = _run(tmp_path, TRANSLATION, fault)
-    assert len(run.records) == TRANSLATION.steps
-    _assert_found(run, TRANSLATION, fault)
+    _run_and_find(tmp_path, TRANSLATION, fault)
 
 
 # ------------------------- eriklindernoren/PyTorch-GAN wgan_gp (double backward, 5 critic steps a generator step)
@@ -769,9 +761,7 @@ def test_finetune_clean_run_with_frozen_layers_and_param_groups_raises_nothing(t
 
 @pytest.mark.parametrize("fault", sorted(EXPECTED))  # batch: an INFO loss_spike ranked bad_batch (reverted at once)
 def test_finetune_fault_is_found(tmp_path: Path, fault: str) -> None:
-    run = _run(tmp_path, FINETUNE, fault)
-    assert len(run.records) == FINETUNE.steps
-    _assert_found(run, FINETUNE, fault)
+    _run_and_find(tmp_path, FINETUNE, fault)
 
 
 # ----------------------------- cleanrl ppo.py (16 minibatch updates a rollout, clipped losses, clip_grad_norm_ 0.5)
