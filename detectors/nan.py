@@ -11,7 +11,7 @@ from stability.detectors._modules import layout
 from stability.detectors.base import Finding, Severity
 from stability.records import StepRecord
 
-__all__ = ["NanConfig", "NanDetector"]
+__all__ = ["FORWARD_QUANTITIES", "NanConfig", "NanDetector"]
 
 _CHECKED_GLOBALS = ("loss", "grad_norm", "logit_z", "batch_loss_max")
 
@@ -130,6 +130,9 @@ def _first_nonfinite(record: StepRecord) -> tuple[str, float] | None:
 _PHASES = {"act_absmax": 0, "act_rms": 0, "attn_logit_max": 0, "logit_z": 0, "grad_norm": 1, "adam_v_ratio": 2,
            "update_ratio": 2, "param_norm": 2}
 """Where in a step a quantity is computed: forward (0), backward (1), optimizer step (2)."""
+
+FORWARD_QUANTITIES = frozenset(q for q, phase in _PHASES.items() if phase == 0)
+"""Quantities of the forward pass: the first non-finite per-module one names where a NaN arose."""
 
 _INPUT_PARTS = frozenset({"wte", "wpe", "tok", "pos", "tok_embeddings", "embed_tokens", "embeddings", "embedding",
                           "word_embeddings", "position_embeddings", "embed_in", "tok_emb", "pos_emb"})

@@ -73,6 +73,7 @@ from stability.detectors.evidence import (
     robust_move,
 )
 from stability.detectors.history import History, Ring
+from stability.detectors.nan import FORWARD_QUANTITIES
 from stability.detectors.oddity import OddityBudget, precursor_oddity
 from stability.detectors.steptime import PERF_KINDS, perf_causes
 
@@ -502,7 +503,7 @@ def _nan_rule(finding: Finding, history: History, hints: _Hints, scale: Move | N
     """A NaN: ``fp16_loss_scale`` first after a loss-scale collapse, ``lr_too_high`` right after an LR raise, else
     ``numerical_nan`` (0.95). When no module is named and the run samples forward statistics, says how to get one."""
     what = f"{finding.signal} became {finding.value} at step {finding.step}"
-    if "/" not in finding.signal and any(n.startswith(FORWARD_STATS) for n in history.modules.series):
+    if "/" not in finding.signal and any(n.partition("/")[0] in FORWARD_QUANTITIES for n in history.modules.series):
         what += (" (no forward statistics on that step name the module: STABILITY_STATS_EVERY=1 samples them on "
                  "every step)")
     raised = _lr_raised_just_before(history, finding.onset)
@@ -514,10 +515,6 @@ def _nan_rule(finding: Finding, history: History, hints: _Hints, scale: Move | N
         hints.add("numerical_nan", 0.75, what)
     else:
         hints.add("numerical_nan", 0.95, f"{what}; no loss-scale collapse before it")
-
-
-FORWARD_STATS = ("act_absmax/", "act_rms/", "attn_logit_max/")
-"""Per-module statistics of the forward pass: the first non-finite one names where a NaN arose."""
 
 CONTRADICTED = 0.15
 """Score of a cause whose own evidence contradicts it: below ``unknown`` (0.2), so it is never the first cause."""
